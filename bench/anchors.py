@@ -89,6 +89,20 @@ def _version(module: str) -> str:
         return "?"
 
 
+def core_revision() -> dict:
+    """The checkout the numbers came from: HEAD and whether ``toktier_backend/`` differs from it."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    return {"head": git("rev-parse", "--short", "HEAD"),
+            "core_dirty": bool(git("status", "--porcelain", "--", "toktier_backend"))}
+
+
 # -- full-encode anchors ------------------------------------------------------------------------
 
 def hf(path: Path, *, add_special_tokens: bool = False) -> Anchor:

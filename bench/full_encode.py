@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "full_encode",
         "args": vars(args),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "checkout": A.core_revision(),
         "versions": {m: A._version(m) for m in ("toktier_backend", "tokenizers", "gigatoken", "fastokens")},
         "tokenizers": {},
     }

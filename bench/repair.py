@@ -215,7 +215,8 @@ def plot(results: dict, path: Path) -> None:
         sizes = results["tokenizers"][name]["sizes"]
         xs = sorted(sizes, key=int)
         for key in SYSTEMS:
-            pts = [(int(x), sizes[x]["systems"][key]) for x in xs if key in sizes[x]["systems"]]
+            pts = [((sizes[x]["base_chars"] + sizes[x]["final_chars"]) / 2, sizes[x]["systems"][key])
+                   for x in xs if key in sizes[x]["systems"]]  # x: mean context over the growing session
             if not pts:
                 continue
             x = [p[0] for p in pts]
@@ -226,7 +227,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(name)
-        ax.set_xlabel("session context (chars)")
+        ax.set_xlabel("session context (chars, mean over samples)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("ms per ~1.5K-char append\n(p50; band to p90)")
     keys = [k for k in SYSTEMS if k in handles]
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "repair",
         "args": vars(args),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "checkout": A.core_revision(),
         "versions": {m: A._version(m) for m in ("toktier_backend", "tokenizers", "gigatoken", "toktier")},
         "session_mode": "one growing session per size: update(base), 1 untimed warm-up append, then "
                         "--samples timed appends, each to the text the previous one produced",
