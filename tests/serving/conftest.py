@@ -1,0 +1,102 @@
+"""Serving fixtures: real servers on loopback (free ports), HF references computed here.
+
+The ``serving`` marker tags tests that start a tritonserver; they skip when ``nvidia-pytriton`` or
+``tritonclient`` is not installed (``pip install -e '.[serve]'``).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("TOKTIER_SHARED", REPO.parent / "shared"))
+BUNDLED = REPO / "toktier_backend" / "data" / "gpt2" / "tokenizer.json"
+IDLE_S = 3.0  # sequence batcher idle timeout (= session TTL) of the test servers
+MAX_TEXT_BYTES = 4 * 1024 * 1024
+
+
+def tokenizer_file(name: str) -> Path:
+    """``bundled`` -> the package's GPT-2 file; else ``../shared/tokenizers/<name>/tokenizer.json``."""
+    p = BUNDLED if name == "bundled" else SHARED / "tokenizers" / name / "tokenizer.json"
+    if not p.is_file():
+        pytest.skip(f"{p} missing (tests need ../shared beside the repo, or TOKTIER_SHARED)")
+    return p
+
+
+@lru_cache(maxsize=None)
+def _reference(path: str) -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(path)
+
+
+def hf_ids(name: str, text: str, add_special_tokens: bool = True) -> list[int]:
+    """HF reference ids: ``Tokenizer.from_file(path).encode(text, add_special_tokens=flag).ids``."""
+    return _reference(str(tokenizer_file(name))).encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def _need_serving_deps() -> None:
+    pytest.importorskip("tritonclient.grpc")
+    pytest.importorskip("tritonclient.http")
+    try:
+        from toktier_backend.serving.server import find_triton_dist
+
+        find_triton_dist()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def _start(server, tmp_path_factory):
+    try:
+        return server.start().wait_ready(240)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def native(tmp_path_factory):
+    """``tritonserver`` (from nvidia-pytriton) on loopback with our repository and the bundled GPT-2 file."""
+    _need_serving_deps()
+    from toktier_backend.serving.server import TritonServer
+
+    log = tmp_path_factory.mktemp("native") / "tritonserver.log"
+    server = TritonServer(
+        str(BUNDLED), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=IDLE_S,
+        max_text_bytes=MAX_TEXT_BYTES, log_path=log, exit_timeout_s=3,
+    )
+    _start(server, tmp_path_factory)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def native_qwen3(tmp_path_factory):
+    """A second repository served with the shared qwen3 file (a different pre-tokenizer family)."""
+    _need_serving_deps()
+    from toktier_backend.serving.server import TritonServer
+
+    path = tokenizer_file("qwen3")
+    log = tmp_path_factory.mktemp("native_qwen3") / "tritonserver.log"
+    server = TritonServer(str(path), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=30,
+                          log_path=log, exit_timeout_s=3)
+    _start(server, tmp_path_factory)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def pytriton_face(tmp_path_factory):
+    """The same handler through PyTriton, on loopback, with the shared gpt2 file."""
+    _need_serving_deps()
+    pytest.importorskip("pytriton")
+    from toktier_backend.serving.server import PyTritonServer
+
+    log = tmp_path_factory.mktemp("pytriton") / "tritonserver.log"
+    server = PyTritonServer(str(tokenizer_file("gpt2")), http_port=0, grpc_port=0, metrics_port=0,
+                            session_idle_s=IDLE_S, max_text_bytes=MAX_TEXT_BYTES, log_path=log)
+    _start(server, tmp_path_factory)
+    yield server
+    server.stop()
