@@ -1,0 +1,47 @@
+"""Triton Python backend model ``toktier_encode``: stateless encode under the dynamic batcher.
+
+Inputs (batch dimension first, one element per request):
+    TEXT               TYPE_STRING [1]  UTF-8 text
+    ADD_SPECIAL_TOKENS TYPE_BOOL   [1]  optional, default true
+Outputs:
+    INPUT_ID           TYPE_INT32  [-1] equals HF encode(text, add_special_tokens).ids
+    REQUEST_INPUT_LEN  TYPE_INT32  [1]  number of ids
+
+Errors are per request: INVALID_ARG (not UTF-8, lone surrogate, over max_text_bytes), UNAVAILABLE, INTERNAL.
+All logic is in ``toktier_backend.serving.handler``.
+"""
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from toktier_backend.serving import triton_io
+from toktier_backend.serving.handler import Handler
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = triton_io.model_parameters(config)
+        self.batched = triton_io.is_batched(config)
+        self.handler = Handler.from_spec(
+            params.get("tokenizer", "default"),
+            max_text_bytes=int(params.get("max_text_bytes", "16777216")),
+        )
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                outputs = self.handler.handle_encode_tensors(
+                    triton_io.read_inputs(lambda n: pb_utils.get_input_tensor_by_name(request, n), triton_io.ENCODE_INPUTS)
+                )
+                tensors = [pb_utils.Tensor(k, v) for k, v in triton_io.with_batch_dim(outputs, self.batched).items()]
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            except Exception as e:  # one bad request never fails the batch
+                code = getattr(pb_utils.TritonError, triton_io.error_code(e))
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(triton_io.error_message(e), code)))
+        return responses
+
+    def finalize(self):
+        self.handler = None

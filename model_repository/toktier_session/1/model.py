@@ -1,0 +1,57 @@
+"""Triton Python backend model ``toktier_session``: stateful tokenization under the sequence batcher.
+
+Inputs (batch dimension first, one element per request):
+    TEXT               TYPE_STRING [1]  UTF-8: the whole text (MODE=full) or the appended text (MODE=delta)
+    MODE               TYPE_STRING [1]  optional, "full" (default) | "delta"
+    REPLY              TYPE_STRING [1]  optional, "full" (default) | "patch"
+    ADD_SPECIAL_TOKENS TYPE_BOOL   [1]  optional, default true (a delta keeps the session's flag)
+Outputs:
+    INPUT_ID           TYPE_INT32  [-1] all ids, or ids[KEEP:] with REPLY=patch
+    REQUEST_INPUT_LEN  TYPE_INT32  [1]  total ids of the session text
+    KEEP               TYPE_INT32  [1]  ids of the previous reply still valid
+    ROUTE              TYPE_STRING [1]  repair route taken
+
+The session is keyed by ``request.correlation_id()`` (int or str); the START flag replaces it, END frees it.
+Errors are per request: INVALID_ARG (bad input), NOT_FOUND (delta for an unknown session: resend MODE=full),
+UNAVAILABLE, INTERNAL. All logic is in ``toktier_backend.serving.handler``.
+"""
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from toktier_backend.serving import triton_io
+from toktier_backend.serving.handler import DEFAULT_SESSION_TTL_S, Handler
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = triton_io.model_parameters(config)
+        self.batched = triton_io.is_batched(config)
+        self.handler = Handler.from_spec(
+            params.get("tokenizer", "default"),
+            max_text_bytes=int(params.get("max_text_bytes", "16777216")),
+            session_ttl_s=triton_io.sequence_idle_seconds(config, DEFAULT_SESSION_TTL_S),
+        )
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            flags = request.flags()
+            try:
+                outputs = self.handler.handle_session_tensors(
+                    request.correlation_id(),
+                    triton_io.read_inputs(lambda n: pb_utils.get_input_tensor_by_name(request, n), triton_io.SESSION_INPUTS),
+                    start=bool(flags & triton_io.SEQUENCE_START),
+                    end=bool(flags & triton_io.SEQUENCE_END),
+                )
+                tensors = [pb_utils.Tensor(k, v) for k, v in triton_io.with_batch_dim(outputs, self.batched).items()]
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            except Exception as e:  # one bad request never fails the batch
+                code = getattr(pb_utils.TritonError, triton_io.error_code(e))
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(triton_io.error_message(e), code)))
+        return responses
+
+    def finalize(self):
+        self.handler = None
