@@ -1,0 +1,234 @@
+"""``SessionClient``: one agent session over ``toktier_session``, with transparent, exact re-open.
+
+The client tracks the session's whole text and ids. It sends ``MODE=delta`` for :meth:`append` and
+``MODE=full`` for :meth:`update`, asks for ``REPLY=patch`` (only ids from ``KEEP`` on) by default, and
+rebuilds the ids as ``ids[:KEEP] + INPUT_ID``. When the server no longer holds the session, it resends the
+whole text it tracks, so the ids stay exact:
+
+- the sequence batcher idled the sequence out (Triton: "must specify the START flag on the first request of
+  the sequence"): resend with START and ``MODE=full``;
+- the model instance lost it (``NOT_FOUND`` / ``UnknownSession``: restart, eviction): resend ``MODE=full``.
+
+``tritonclient`` is imported on first use. A ``tritonclient.http`` client is not thread-safe: give each
+thread its own ``SessionClient`` (the default: each one opens its own connection).
+
+Example::
+
+    >>> c = SessionClient("127.0.0.1:8001")            # gRPC; protocol="http" for port 8000
+    >>> c.open("hello").tolist()
+    [31373]
+    >>> c.append(" world").tolist()
+    [31373, 995]
+    >>> c.close()
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from toktier_backend.errors import InvalidRequest, ToktierError, UnknownSession
+
+_counter = itertools.count(1)
+
+START_REQUIRED = "must specify the START flag"
+
+
+@dataclass
+class Reply:
+    """The last reply: ``keep`` (ids of the previous reply still valid), ``n`` (total ids), ``route``."""
+
+    keep: int
+    n: int
+    route: str
+    reopened: bool
+
+
+class SessionClient:
+    """One session of ``toktier_session`` on a Triton server.
+
+    Args:
+        url: ``host:port`` of the gRPC (default) or HTTP endpoint.
+        protocol: ``"grpc"`` or ``"http"``.
+        model: model name.
+        session_id: correlation ID (non-zero int or non-empty str); default: a fresh unique string.
+        face: ``"native"`` (correlation ID + sequence flags, our model repository) or ``"pytriton"``
+            (request parameters ``session_id`` / ``session_start`` / ``session_end``).
+        reply: ``"patch"`` (default) or ``"full"``.
+        add_special_tokens: HF ``add_special_tokens`` for the session.
+        client: an existing ``tritonclient`` client to share (gRPC clients are thread-safe; HTTP ones are not).
+        timeout_s: per-request client timeout, in seconds (``None``: none).
+        verify: also check ``len(ids) == REQUEST_INPUT_LEN`` on every reply (cheap; default on).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        protocol: Literal["grpc", "http"] = "grpc",
+        model: str = "toktier_session",
+        session_id: int | str | None = None,
+        face: Literal["native", "pytriton"] = "native",
+        reply: Literal["patch", "full"] = "patch",
+        add_special_tokens: bool = True,
+        client: Any = None,
+        timeout_s: float | None = None,
+        verify: bool = True,
+    ):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol={protocol!r}: use 'grpc' or 'http'")
+        if face not in ("native", "pytriton"):
+            raise ValueError(f"face={face!r}: use 'native' or 'pytriton'")
+        if reply not in ("patch", "full"):
+            raise ValueError(f"reply={reply!r}: use 'patch' or 'full'")
+        self.url = url
+        self.protocol = protocol
+        self.model = model
+        self.session_id = session_id if session_id is not None else f"tt-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:8]}"
+        self.face = face
+        self.reply = reply
+        self.add_special_tokens = add_special_tokens
+        self.timeout_s = timeout_s
+        self.verify = verify
+        if protocol == "grpc":
+            import tritonclient.grpc as mod
+        else:
+            import tritonclient.http as mod
+        self._mod = mod
+        self._client = client if client is not None else mod.InferenceServerClient(url)
+        self._own_client = client is None
+        self.text = ""
+        self.ids = np.zeros(0, dtype=np.int32)
+        self.is_open = False
+        self.last: Reply | None = None
+        self.reopens = 0  # transparent re-opens so far
+
+    # ------------------------------------------------------------ session API
+
+    def open(self, text: str = "") -> np.ndarray:
+        """Start the sequence (START) with the whole ``text``. Returns ids int32[n] (HF ``encode(text).ids``)."""
+        ids = self._send(text, mode="full", start=True)
+        self.is_open = True
+        self.text = text
+        return ids
+
+    def update(self, text: str) -> np.ndarray:
+        """Send the whole new ``text`` (``MODE=full``); opens the session if needed. Returns ids int32[n]."""
+        if not self.is_open:
+            return self.open(text)
+        ids = self._request(text, "full", full_text=text)
+        self.text = text
+        return ids
+
+    def append(self, delta: str) -> np.ndarray:
+        """Send only the appended ``delta`` (``MODE=delta``). Returns ids int32[n] of ``text + delta``."""
+        if not self.is_open:
+            return self.open(self.text + delta)
+        full = self.text + delta
+        ids = self._request(delta, "delta", full_text=full)
+        self.text = full
+        return ids
+
+    def close(self) -> None:
+        """End the sequence (END frees the server's state). Best effort: a session the server already
+        forgot is not an error. Closes the connection if this client opened it."""
+        if self.is_open:
+            try:
+                self._send("", mode="delta", end=True)
+            except (UnknownSession, _StartRequired):
+                pass
+            self.is_open = False
+        if self._own_client:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+
+    def __enter__(self) -> "SessionClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ transport
+
+    def _request(self, payload: str, mode: str, *, full_text: str) -> np.ndarray:
+        try:
+            return self._send(payload, mode=mode)
+        except _StartRequired:
+            # the sequence batcher forgot the sequence (idle timeout): a new sequence with the whole text
+            self.reopens += 1
+            return self._send(full_text, mode="full", start=True, reopened=True)
+        except UnknownSession:
+            # the model instance forgot the session but the sequence is live: the whole text rebuilds it
+            self.reopens += 1
+            return self._send(full_text, mode="full", reopened=True)
+
+    def _send(self, text: str, *, mode: str, start: bool = False, end: bool = False, reopened: bool = False) -> np.ndarray:
+        mod = self._mod
+        inputs = [
+            _tensor(mod, "TEXT", np.array([[text.encode("utf-8")]], dtype=np.object_), "BYTES"),
+            _tensor(mod, "MODE", np.array([[mode.encode()]], dtype=np.object_), "BYTES"),
+            _tensor(mod, "REPLY", np.array([[self.reply.encode()]], dtype=np.object_), "BYTES"),
+            _tensor(mod, "ADD_SPECIAL_TOKENS", np.array([[self.add_special_tokens]], dtype=np.bool_), "BOOL"),
+        ]
+        outputs = [mod.InferRequestedOutput(n) for n in ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")]
+        kwargs: dict[str, Any] = {"outputs": outputs}
+        if self.timeout_s is not None:
+            kwargs["client_timeout" if self.protocol == "grpc" else "timeout"] = self.timeout_s
+        if self.face == "native":
+            kwargs.update(sequence_id=self.session_id, sequence_start=start, sequence_end=end)
+        else:
+            kwargs["parameters"] = {"session_id": self.session_id, "session_start": start, "session_end": end}
+        try:
+            result = self._client.infer(self.model, inputs, **kwargs)
+        except Exception as e:  # InferenceServerException: map ours to typed errors, re-raise the rest
+            mapped = _map_error(e)
+            if mapped is None:
+                raise
+            raise mapped from e
+        patch = result.as_numpy("INPUT_ID").reshape(-1).astype(np.int32, copy=False)
+        n = int(result.as_numpy("REQUEST_INPUT_LEN").reshape(-1)[0])
+        keep = int(result.as_numpy("KEEP").reshape(-1)[0])
+        route = result.as_numpy("ROUTE").reshape(-1)[0]
+        route = route.decode() if isinstance(route, bytes) else str(route)
+        if self.reply == "patch":
+            ids = np.concatenate([self.ids[:keep], patch]) if keep else patch.copy()
+        else:
+            ids = patch.copy()
+        if self.face == "pytriton" and len(ids) == n + 1 and ids[-1] == -1:
+            ids = ids[:n]  # PyTriton 0.7 sends "no ids" as [-1]
+        if self.verify and (len(ids) != n or keep > len(self.ids)):
+            raise ToktierError(
+                f"session {self.session_id!r}: reply does not add up (KEEP={keep}, held {len(self.ids)} ids, "
+                f"INPUT_ID {len(patch)}, REQUEST_INPUT_LEN={n})"
+            )
+        self.ids = ids
+        self.last = Reply(keep=keep, n=n, route=route, reopened=reopened)
+        return ids
+
+
+class _StartRequired(ToktierError):
+    """Triton's sequence batcher holds no live sequence for this correlation ID (idle timeout)."""
+
+
+def _tensor(mod, name: str, value: np.ndarray, dtype: str):
+    t = mod.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def _map_error(e: Exception) -> Exception | None:
+    msg = str(e)
+    if START_REQUIRED in msg:
+        return _StartRequired(msg)
+    if "UnknownSession" in msg:
+        return UnknownSession(msg)
+    if "InvalidRequest" in msg:
+        return InvalidRequest(msg)
+    return None
