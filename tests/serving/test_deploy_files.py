@@ -1,0 +1,71 @@
+"""The deployment files, checked without docker or a server: docker-compose.yml, prometheus.yml, and
+each model's config.pbtxt parsed into Triton's ModelConfig protobuf."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import REPO
+
+yaml = pytest.importorskip("yaml")
+
+
+def test_docker_compose():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    triton = compose["services"]["triton"]
+    assert triton["image"].startswith("nvcr.io/nvidia/tritonserver:") and triton["image"].endswith("-py3")
+    command = " ".join(triton["command"])
+    assert "pip install" in command and "tritonserver" in command
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in triton["volumes"]}
+    repo_in_container = re.search(r"--model-repository=(\S+)", command).group(1)
+    assert mounts[repo_in_container] == "./model_repository"
+    src = re.search(r"cp -r (\S+) ", command).group(1)
+    assert mounts[src] == "./"
+    metrics_port = re.search(r"--metrics-port=(\d+)", command).group(1)
+    assert any(p.endswith(f":{metrics_port}") for p in triton["ports"])
+    assert all(p.startswith("127.0.0.1:") for p in triton["ports"])  # published on loopback only
+
+    prom = compose["services"]["prometheus"]
+    assert "triton" in prom["depends_on"]
+    config_mount = next(v for v in prom["volumes"] if v.startswith("./prometheus.yml:"))
+    assert config_mount.split(":")[1] in " ".join(prom["command"])
+    scrape = yaml.safe_load((REPO / "prometheus.yml").read_text())
+    targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert f"triton:{metrics_port}" in targets
+
+
+@pytest.mark.parametrize("model", ["toktier_session", "toktier_encode"])
+def test_model_config_parses(model):
+    pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    from google.protobuf import text_format
+
+    cfg = text_format.Parse((REPO / "model_repository" / model / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert cfg.name == model and cfg.backend == "python" and cfg.max_batch_size > 0
+    assert (REPO / "model_repository" / model / "1" / "model.py").is_file()
+    assert cfg.parameters["tokenizer"].string_value == "default"
+    assert int(cfg.parameters["max_text_bytes"].string_value) > 0
+    names = {i.name for i in cfg.input}
+    assert {"TEXT", "ADD_SPECIAL_TOKENS"} <= names
+    assert {o.name for o in cfg.output} >= {"INPUT_ID", "REQUEST_INPUT_LEN"}
+    if model == "toktier_session":
+        assert cfg.WhichOneof("scheduling_choice") == "sequence_batching"
+        sb = cfg.sequence_batching
+        assert sb.WhichOneof("strategy_choice") == "oldest"
+        assert sb.max_sequence_idle_microseconds > 0
+        assert not sb.control_input  # correlation_id() serves int and str IDs; see the config comment
+        assert {"MODE", "REPLY"} <= names and {o.name for o in cfg.output} >= {"KEEP", "ROUTE"}
+    else:
+        assert cfg.WhichOneof("scheduling_choice") == "dynamic_batching"
+
+
+def test_prepare_repository_substitutes(tmp_path):
+    from toktier_backend.serving.server import prepare_repository
+
+    tok = REPO / "toktier_backend" / "data" / "gpt2" / "tokenizer.json"
+    dst = prepare_repository(tmp_path / "models", tokenizer=str(tok), max_text_bytes=1234, session_idle_s=2.5)
+    text = (dst / "toktier_session" / "config.pbtxt").read_text()
+    assert f'string_value: "{tok.resolve()}"' in text
+    assert 'string_value: "1234"' in text and "max_sequence_idle_microseconds: 2500000" in text
+    assert f'string_value: "{tok.resolve()}"' in (dst / "toktier_encode" / "config.pbtxt").read_text()
