@@ -1,0 +1,193 @@
+"""Served repair benchmark: ``MODE=delta`` appends with ``REPLY=patch`` at a ~1M-char context, over gRPC.
+
+One run, on loopback, one face at a time (2 cores: the faces never compete):
+
+- ``native``: our ``model_repository/`` on the ``tritonserver`` shipped in ``nvidia-pytriton``
+  (:class:`TritonServer`), session keyed by the correlation ID;
+- ``pytriton``: the same handler through PyTriton (:class:`PyTritonServer`), keyed by ``session_id``;
+- ``in-process``: the core ``Session.append`` with no server (what serving adds is the difference).
+
+Per face: a :class:`SessionClient` opens the session with the ~1M-char base text (timed once), then
+``--warmup`` + ``--samples`` appends of whole agent turns of 1.0K-2.5K chars (~1.5K mean) from the bundled
+SWE-agent trajectories (``../shared/corpus/swe-agent``, else the bundled sample; consecutive turns
+joined up to that size), each timed with ``perf_counter_ns`` on the client (request to rebuilt ids). The
+**no-op floor** is the p50 of an empty ``delta`` on a one-word session through the same model (transport,
+batcher, Python-backend IPC and handler; no tokenization); ``noop@1M`` is an empty delta on the 1M session.
+
+Exactness first: every face's final ids (rebuilt from the patches) must equal HF
+``Tokenizer.from_file(path).encode(text, add_special_tokens=True).ids`` of the final text; each reply is
+also checked against ``REQUEST_INPUT_LEN``. Output: a table on stdout and ``<out>/served.json``.
+
+Usage:
+    python bench/served.py                                 # bundled GPT-2, 1M chars, 60 appends
+    python bench/served.py --tokenizer ../shared/tokenizers/qwen3/tokenizer.json --samples 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import toktier_backend as tt  # noqa: E402
+from toktier_backend import corpus  # noqa: E402
+
+
+def session_base(n_chars: int) -> str:
+    """About ``n_chars`` chars of rendered sessions, cut back to a turn boundary."""
+    text = corpus.long_session_text(n_chars)
+    end = text.rfind("<|im_end|>\n")
+    return text[: end + len("<|im_end|>\n")] if end > 0 else text
+
+
+def turn_deltas(n: int, folder: Path | None = None, lo: int = 1000, hi: int = 2500) -> list[str]:
+    """``n`` appends of ``lo..hi`` chars: consecutive whole turns of the trajectories in ``folder``
+    (bundled sample when ``None``) joined until at least ``lo`` chars (over ``hi``: skipped), cycled."""
+    pool = []
+    for f in corpus.trajectory_files(folder):
+        turns = corpus.load_turns(f)
+        acc = ""
+        for a, b in zip(turns, turns[1:]):
+            acc += b[len(a):]
+            if len(acc) >= lo:
+                if len(acc) <= hi:
+                    pool.append(acc)
+                acc = ""
+    if not pool:
+        raise RuntimeError(f"no appends of {lo}..{hi} chars in the trajectories of {folder or 'the bundled sample'}")
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def pct(ms: list[float]) -> dict:
+    a = np.asarray(ms, dtype=np.float64)
+    return {"n": int(a.size), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+def timed_ms(fn) -> tuple[float, object]:
+    t = time.perf_counter_ns()
+    out = fn()
+    return (time.perf_counter_ns() - t) / 1e6, out
+
+
+def run_face(face: str, server, base: str, deltas: list[str], warmup: int, floor_n: int) -> dict:
+    from toktier_backend.serving.client import SessionClient
+
+    kind = "native" if face == "native" else "pytriton"
+    c = SessionClient(server.grpc_url, face=kind, reply="patch")
+    open_ms, _ = timed_ms(lambda: c.open(base))
+    times, routes, patch_len = [], Counter(), []
+    for i, d in enumerate(deltas):
+        ms, ids = timed_ms(lambda: c.append(d))
+        if i >= warmup:
+            times.append(ms)
+            routes[c.last.route] += 1
+            patch_len.append(c.last.n - c.last.keep)
+    noop_big = [timed_ms(lambda: c.append(""))[0] for _ in range(floor_n)]
+    final_ids, final_text = c.ids.copy(), c.text
+    reopens = c.reopens
+    c.close()
+    f = SessionClient(server.grpc_url, face=kind, reply="patch")
+    f.open("floor")
+    floor = [timed_ms(lambda: f.append(""))[0] for _ in range(floor_n + 5)][5:]
+    f.close()
+    return {
+        "open_ms": open_ms, "append": pct(times), "noop_floor": pct(floor), "noop_at_context": pct(noop_big),
+        "routes": dict(routes), "patch_ids_mean": float(np.mean(patch_len)), "reopens": reopens,
+        "_ids": final_ids, "_text": final_text,
+    }
+
+
+def run_in_process(tok, base: str, deltas: list[str], warmup: int) -> dict:
+    s = tok.session()
+    open_ms, _ = timed_ms(lambda: s.update(base))
+    times, routes = [], Counter()
+    for i, d in enumerate(deltas):
+        ms, _ = timed_ms(lambda: s.append(d))
+        if i >= warmup:
+            times.append(ms)
+            routes[s.last_repair.route] += 1
+    return {"open_ms": open_ms, "append": pct(times), "routes": dict(routes), "_ids": s.ids.copy(), "_text": s.text}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", default=str(tt.default_tokenizer_path()), help="tokenizer.json (default: bundled GPT-2)")
+    ap.add_argument("--context", type=int, default=1_000_000, help="session context before the appends (chars)")
+    ap.add_argument("--samples", type=int, default=60, help="timed appends per face (>= 50 for a p99)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--floor", type=int, default=60, help="no-op requests per face")
+    ap.add_argument("--faces", default="native,pytriton", help="comma list of native,pytriton")
+    ap.add_argument("--corpus", default=None, help="folder of *.traj for the appends (default: ../shared/corpus/"
+                    "swe-agent if present, else the bundled sample)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "out"))
+    args = ap.parse_args(argv)
+
+    from toktier_backend.serving.server import PyTritonServer, TritonServer
+
+    t0 = time.time()
+    base = session_base(args.context)
+    folder = args.corpus
+    if folder is None and (REPO.parent / "shared" / "corpus" / "swe-agent").is_dir():
+        folder = REPO.parent / "shared" / "corpus" / "swe-agent"
+    deltas = turn_deltas(args.warmup + args.samples, Path(folder) if folder else None)
+    print(f"tokenizer {args.tokenizer}\ncontext {len(base):,} chars; {args.samples} timed appends "
+          f"(+{args.warmup} warmup), mean {np.mean([len(d) for d in deltas]):.0f} chars", flush=True)
+    tok = tt.load_tokenizer(args.tokenizer)
+    results: dict = {"tokenizer": args.tokenizer, "context_chars": len(base), "samples": args.samples,
+                     "corpus": str(folder or "bundled"),
+                     "delta_chars_mean": float(np.mean([len(d) for d in deltas])),
+                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "faces": {}}
+    results["faces"]["in-process"] = run_in_process(tok, base, deltas, args.warmup)
+    logs = Path(args.out)
+    logs.mkdir(parents=True, exist_ok=True)
+    for face in [f.strip() for f in args.faces.split(",") if f.strip()]:
+        cls = TritonServer if face == "native" else PyTritonServer
+        server = cls(args.tokenizer, http_port=0, grpc_port=0, metrics_port=0, log_path=logs / f"served-{face}.log")
+        server.start().wait_ready(300)
+        try:
+            results["faces"][face] = run_face(face, server, base, deltas, args.warmup, args.floor)
+        finally:
+            server.stop()
+
+    # exactness first
+    final_text = base + "".join(deltas)
+    want = np.asarray(tok.reference.encode(final_text, add_special_tokens=True).ids, dtype=np.int32)
+    for name, r in results["faces"].items():
+        r["exact"] = bool(r.pop("_text") == final_text and np.array_equal(r.pop("_ids"), want))
+    results["wall_s"] = time.time() - t0
+
+    native_floor = results["faces"].get("native", {}).get("noop_floor", {}).get("p50")
+    print(f"\n{'face':<11} {'exact':<6} {'append p50':>11} {'p90':>9} {'p99':>9} {'no-op floor p50':>16} "
+          f"{'no-op@ctx p50':>14} {'open (full)':>12}  routes")
+    for name, r in results["faces"].items():
+        a = r["append"]
+        floor = r.get("noop_floor", {}).get("p50")
+        at_ctx = r.get("noop_at_context", {}).get("p50")
+        f = lambda v: f"{v:9.2f}" if v is not None else f"{'-':>9}"  # noqa: E731
+        print(f"{name:<11} {'yes' if r['exact'] else 'NO':<6} {a['p50']:9.2f}ms {f(a['p90'])} {f(a['p99'])} "
+              f"{f(floor):>14}ms {f(at_ctx):>12}ms {r['open_ms']:10.1f}ms  {r['routes']}")
+    if native_floor:
+        for name in ("native", "pytriton"):
+            if name in results["faces"]:
+                p50 = results["faces"][name]["append"]["p50"]
+                print(f"{name}: append p50 / native no-op floor p50 = {p50 / native_floor:.1f}x")
+    out = Path(args.out) / "served.json"
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out} ({results['wall_s']:.0f} s)")
+    return 0 if all(r["exact"] for r in results["faces"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
