@@ -5,6 +5,9 @@ Every id is checked against the HF reference computed here (``hf_ids``).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -12,7 +15,7 @@ import toktier_backend as tt
 from toktier_backend.serving import triton_io
 from toktier_backend.serving.handler import Handler, SessionStore
 
-from .conftest import BUNDLED, hf_ids
+from .conftest import BUNDLED, REPO, hf_ids
 
 
 class FakeClock:
@@ -223,3 +226,15 @@ def test_model_config_helpers():
     assert triton_io.sequence_idle_seconds(cfg, 1.0) == 2.5
     assert triton_io.sequence_idle_seconds({}, 1.0) == 1.0
     assert triton_io.is_batched(cfg)
+
+
+def test_import_hygiene():
+    """Importing the serving modules pulls in neither tritonclient nor pytriton (lazy imports)."""
+    code = (
+        "import sys\n"
+        "import toktier_backend.serving.handler, toktier_backend.serving.triton_io\n"
+        "import toktier_backend.serving.server, toktier_backend.serving.client, toktier_backend.serving.cli_serve\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('tritonclient', 'pytriton', 'triton_python_backend_utils')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

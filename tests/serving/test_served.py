@@ -277,6 +277,26 @@ def test_client_reopens_after_model_lost_session(native):
     raw.close()
 
 
+def test_client_lost_reply_resends_whole_text(native):
+    """The server applied a delta but the reply was lost (simulated on the client side, after the real
+    request): the next request must not build on ids the client never got."""
+    c = SessionClient(native.grpc_url, session_id="lost-reply")
+    c.open("base text")
+    real = c._client.infer
+
+    def infer_then_drop(*args, **kwargs):
+        real(*args, **kwargs)
+        raise ConnectionError("reply lost")
+
+    c._client.infer = infer_then_drop
+    with pytest.raises(ConnectionError):
+        c.append(" applied but unconfirmed")
+    c._client.infer = real
+    assert c.append(" next").tolist() == hf_ids("bundled", "base text next")
+    assert c.last.reopened and c.append("!").tolist() == hf_ids("bundled", "base text next!")
+    c.close()
+
+
 def test_idle_timeout_then_new_start(native):
     """The sequence batcher drops a sequence idle past max_sequence_idle_microseconds (IDLE_S here) and
     the store forgets it too; a raw client must START again; SessionClient re-opens by itself."""

@@ -7,7 +7,9 @@ whole text it tracks, so the ids stay exact:
 
 - the sequence batcher idled the sequence out (Triton: "must specify the START flag on the first request of
   the sequence"): resend with START and ``MODE=full``;
-- the model instance lost it (``NOT_FOUND`` / ``UnknownSession``: restart, eviction): resend ``MODE=full``.
+- the model instance lost it (``NOT_FOUND`` / ``UnknownSession``: restart, eviction): resend ``MODE=full``;
+- a request failed in transport (timeout, connection reset; the server may have applied it): the next
+  request sends the whole text with ``REPLY=full``.
 
 ``tritonclient`` is imported on first use. A ``tritonclient.http`` client is not thread-safe: give each
 thread its own ``SessionClient`` (the default: each one opens its own connection).
@@ -107,6 +109,7 @@ class SessionClient:
         self.is_open = False
         self.last: Reply | None = None
         self.reopens = 0  # transparent re-opens so far
+        self._dirty = False  # a request failed in transport: resend the whole text next
 
     # ------------------------------------------------------------ session API
 
@@ -158,8 +161,13 @@ class SessionClient:
     # ------------------------------------------------------------ transport
 
     def _request(self, payload: str, mode: str, *, full_text: str) -> np.ndarray:
+        reply, reopened = None, False
+        if self._dirty:
+            # an earlier request failed in transport: the server may or may not have applied it, so the
+            # ids we hold may not be the ones KEEP refers to. The whole text with a full reply is exact.
+            payload, mode, reply, reopened = full_text, "full", "full", True
         try:
-            return self._send(payload, mode=mode)
+            return self._send(payload, mode=mode, reply=reply, reopened=reopened)
         except _StartRequired:
             # the sequence batcher forgot the sequence (idle timeout): a new sequence with the whole text
             self.reopens += 1
@@ -169,12 +177,16 @@ class SessionClient:
             self.reopens += 1
             return self._send(full_text, mode="full", reopened=True)
 
-    def _send(self, text: str, *, mode: str, start: bool = False, end: bool = False, reopened: bool = False) -> np.ndarray:
+    def _send(
+        self, text: str, *, mode: str, start: bool = False, end: bool = False, reopened: bool = False,
+        reply: str | None = None,
+    ) -> np.ndarray:
         mod = self._mod
+        reply = reply or self.reply
         inputs = [
             _tensor(mod, "TEXT", np.array([[text.encode("utf-8")]], dtype=np.object_), "BYTES"),
             _tensor(mod, "MODE", np.array([[mode.encode()]], dtype=np.object_), "BYTES"),
-            _tensor(mod, "REPLY", np.array([[self.reply.encode()]], dtype=np.object_), "BYTES"),
+            _tensor(mod, "REPLY", np.array([[reply.encode()]], dtype=np.object_), "BYTES"),
             _tensor(mod, "ADD_SPECIAL_TOKENS", np.array([[self.add_special_tokens]], dtype=np.bool_), "BOOL"),
         ]
         outputs = [mod.InferRequestedOutput(n) for n in ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")]
@@ -190,6 +202,7 @@ class SessionClient:
         except Exception as e:  # InferenceServerException: map ours to typed errors, re-raise the rest
             mapped = _map_error(e)
             if mapped is None:
+                self._dirty = True  # transport or server failure: the request may have been applied
                 raise
             raise mapped from e
         patch = result.as_numpy("INPUT_ID").reshape(-1).astype(np.int32, copy=False)
@@ -197,18 +210,20 @@ class SessionClient:
         keep = int(result.as_numpy("KEEP").reshape(-1)[0])
         route = result.as_numpy("ROUTE").reshape(-1)[0]
         route = route.decode() if isinstance(route, bytes) else str(route)
-        if self.reply == "patch":
+        if reply == "patch":
             ids = np.concatenate([self.ids[:keep], patch]) if keep else patch.copy()
         else:
             ids = patch.copy()
         if self.face == "pytriton" and len(ids) == n + 1 and ids[-1] == -1:
             ids = ids[:n]  # PyTriton 0.7 sends "no ids" as [-1]
         if self.verify and (len(ids) != n or keep > len(self.ids)):
+            self._dirty = True
             raise ToktierError(
                 f"session {self.session_id!r}: reply does not add up (KEEP={keep}, held {len(self.ids)} ids, "
                 f"INPUT_ID {len(patch)}, REQUEST_INPUT_LEN={n})"
             )
         self.ids = ids
+        self._dirty = False
         self.last = Reply(keep=keep, n=n, route=route, reopened=reopened)
         return ids
 

@@ -498,7 +498,7 @@ def serve(
     try:
         server.start()
         server.wait_ready(ready_timeout_s)
-        face = "PyTriton" if pytriton else "tritonserver"
+        face = "PyTriton" if pytriton else f"tritonserver pid {server.process.pid}"
         print(
             f"toktier serve ({face}, tokenizer {tokenizer}): ready — "
             f"HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}",

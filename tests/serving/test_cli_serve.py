@@ -1,0 +1,58 @@
+"""``toktier serve`` as a user runs it: a subprocess that serves until SIGTERM, then stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from .conftest import BUNDLED, REPO, _need_serving_deps, hf_ids
+
+pytestmark = pytest.mark.serving
+
+
+def test_serve_until_sigterm():
+    _need_serving_deps()
+    import tritonclient.http as httpclient
+
+    from toktier_backend.serving.server import free_ports
+
+    http, grpc, metrics = free_ports(3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toktier_backend.serving.cli_serve", "serve", "--tokenizer", str(BUNDLED),
+         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if "ready" in line or line == "" and proc.poll() is not None:
+                break
+        assert "ready" in line, f"serve did not get ready (exit {proc.poll()})"
+        triton_pid = int(re.search(r"tritonserver pid (\d+)", line).group(1))
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{http}")
+        assert client.is_server_ready()
+        x = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+        x.set_data_from_numpy(np.array([[b"hello world"]], dtype=object))
+        r = client.infer("toktier_session", [x], sequence_id=1, sequence_start=True, sequence_end=True)
+        assert r.as_numpy("INPUT_ID").reshape(-1).tolist() == hf_ids("bundled", "hello world")
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(ProcessLookupError):  # tritonserver is gone too
+            for _ in range(50):
+                os.kill(triton_pid, 0)
+                time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
