@@ -72,16 +72,17 @@ def native(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def native_qwen3(tmp_path_factory):
-    """A second repository served with the shared qwen3 file (a different pre-tokenizer family)."""
+@pytest.fixture(scope="session", params=["qwen3", "llama3_1"])
+def native_family(request, tmp_path_factory):
+    """Our repository served with a shared file of another pre-tokenizer family (``.family`` = its name)."""
     _need_serving_deps()
     from toktier_backend.serving.server import TritonServer
 
-    path = tokenizer_file("qwen3")
-    log = tmp_path_factory.mktemp("native_qwen3") / "tritonserver.log"
+    path = tokenizer_file(request.param)
+    log = tmp_path_factory.mktemp(f"native_{request.param}") / "tritonserver.log"
     server = TritonServer(str(path), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=30,
                           log_path=log, exit_timeout_s=3)
+    server.family = request.param
     _start(server, tmp_path_factory)
     yield server
     server.stop()

@@ -326,21 +326,28 @@ def test_metrics_endpoint(native):
 # ---------------------------------------------------------------- another tokenizer family
 
 
-def test_qwen3_replay_delta_patch(native_qwen3):
+def test_family_replay_delta_patch(native_family):
+    name = native_family.family
     turns = load_turns(trajectory_files(None)[1])[:10]
     for protocol in PROTOCOLS:
-        with SessionClient(_url(native_qwen3, protocol), protocol=protocol) as c:
+        with SessionClient(_url(native_family, protocol), protocol=protocol) as c:
             c.open(turns[0])
-            assert c.ids.tolist() == hf_ids("qwen3", turns[0])
+            assert c.ids.tolist() == hf_ids(name, turns[0])
             for prev, cur in zip(turns, turns[1:]):
-                assert c.append(cur[len(prev):]).tolist() == hf_ids("qwen3", cur)
-            # Qwen's ChatML special tokens and a split special token: "<|im_" + "end|>"
-            c.append("<|im_")
-            assert c.append("end|>\n").tolist() == hf_ids("qwen3", c.text)
+                assert c.append(cur[len(prev):]).tolist() == hf_ids(name, cur)
+            # traps: a split special token "<|im_" + "end|>", Llama-3 digit groups "1234" + "5"
+            for delta in ["<|im_", "end|>\n", "x = 1234", "5", "678\n"]:
+                assert c.append(delta).tolist() == hf_ids(name, c.text), (name, delta)
     mod = _mod("grpc")
-    client = mod.InferenceServerClient(native_qwen3.grpc_url)
-    r = client.infer("toktier_encode", _inputs(mod, turns[-1], add_special=False))
-    assert _get(r, "INPUT_ID").tolist() == hf_ids("qwen3", turns[-1], False)
+    client = mod.InferenceServerClient(native_family.grpc_url)
+    for flag in (True, False):  # llama3_1 adds <|begin_of_text|> with add_special_tokens=True
+        r = client.infer("toktier_encode", _inputs(mod, turns[-1], add_special=flag))
+        assert _get(r, "INPUT_ID").tolist() == hf_ids(name, turns[-1], flag)
+        r = client.infer("toktier_session", _inputs(mod, "12345 tokens", add_special=flag),
+                         sequence_id=f"flag-{flag}", sequence_start=True)
+        r = client.infer("toktier_session", _inputs(mod, "678", mode="delta", reply="full"),
+                         sequence_id=f"flag-{flag}", sequence_end=True)
+        assert _get(r, "INPUT_ID").tolist() == hf_ids(name, "12345 tokens678", flag)
     client.close()
 
 
