@@ -190,13 +190,11 @@ def _http_ready(host: str, port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def _die_with_parent() -> None:  # runs in the child before exec: no orphaned tritonserver
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+def _with_parent_death_signal(cmd: list[str]) -> list[str]:
+    """Prefix ``cmd`` with util-linux ``setpriv --pdeathsig TERM`` when available, so tritonserver stops if
+    this process dies without stopping it (no ``preexec_fn``: unsafe with threads and gRPC loaded)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *cmd] if setpriv and sys.platform.startswith("linux") else cmd
 
 
 # ---------------------------------------------------------------- servers
@@ -309,13 +307,12 @@ class TritonServer:
         if self.log_path is not None:
             self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            self.command(repository, backends),
+            _with_parent_death_signal(self.command(repository, backends)),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT if self._log else None,
             start_new_session=True,  # our signal handler decides when it stops
-            preexec_fn=_die_with_parent,
         )
         return self
 
