@@ -1,0 +1,156 @@
+"""Public API: encode/session values against the reference, errors, state, routes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import toktier_backend as tt
+
+from ..conftest import NAMES, SHARED, load, reference
+
+
+def test_gpt2_hello_world_literal():
+    # openai-community/gpt2: "hello world" -> [31373, 995] (literal ids, also the docstring example)
+    tok = tt.load_tokenizer(None)
+    assert tok.encode("hello world").tolist() == [31373, 995]
+    assert tok.encode("hello world").dtype == np.int32
+
+
+def test_known_ids_file():
+    """``shared/tokenizers/known_ids.json``: public text->ids pairs with provenance; each pair is checked
+    on every file it is marked as verified against."""
+    entries = json.loads((SHARED / "tokenizers" / "known_ids.json").read_text())["entries"]
+    checked = 0
+    for item in entries:
+        for rel, verified in item["verified_against"].items():
+            name = rel.split("/")[0]
+            if not verified or name not in NAMES:
+                continue
+            got = load(name).encode(item["text"], add_special_tokens=item["add_special_tokens"]).tolist()
+            assert got == item["ids"], (name, item["text"][:40], item["source"])
+            checked += 1
+    assert checked >= 100
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("flag", [False, True])
+def test_encode_equals_reference_on_corpus(name, flag, corpus_texts):
+    tok, ref = load(name), reference(name)
+    for text in corpus_texts[:8] + ["", " ", "\n\n", "<|endoftext|>x"]:
+        assert tok.encode(text, add_special_tokens=flag).tolist() == ref.encode(text, add_special_tokens=flag).ids
+
+
+def test_llama3_session_keeps_bos():
+    tok, ref = load("llama3_1"), reference("llama3_1")
+    s = tok.session(add_special_tokens=True)
+    s.update("Hello there, general")
+    ids = s.append(" Kenobi\n")
+    assert ids[0] == 128000  # <|begin_of_text|>
+    assert ids.tolist() == ref.encode("Hello there, general Kenobi\n").ids
+    assert s.last_repair.route == "append" and s.last_repair.reused >= 1
+
+
+def test_ids_are_read_only_views():
+    s = load("gpt2").session()
+    ids = s.update("read only please")
+    with pytest.raises(ValueError):
+        ids[0] = 1
+
+
+def test_repair_info_fields():
+    tok, ref = load("qwen3"), reference("qwen3")
+    s = tok.session(add_special_tokens=False)
+    base = "def main():\n    print('hello world')\n" * 50
+    s.update(base)
+    before = len(s.ids)
+    ids = s.append("def other():\n    return 1234\n")
+    info = s.last_repair
+    assert info.route == "append" and info.engine in ("gigatoken", "fastokens", "hf")
+    assert 0 < info.cut < len(base) and info.departure == len(base) and info.widenings == 0
+    assert info.reused + info.reencoded == len(ids) and info.reused <= before
+    assert ids.tolist() == ref.encode(base + "def other():\n    return 1234\n", add_special_tokens=False).ids
+    # an edit in the middle
+    edited = base[:200] + "X" + base[201:] + "def other():\n    return 1234\n"
+    assert s.update(edited).tolist() == ref.encode(edited, add_special_tokens=False).ids
+    assert s.last_repair.route == "edit" and s.last_repair.departure == 200
+    # a truncation and the no-op
+    assert s.update(edited[:100]).tolist() == ref.encode(edited[:100], add_special_tokens=False).ids
+    assert s.update(edited[:100]).tolist() == ref.encode(edited[:100], add_special_tokens=False).ids
+    assert s.last_repair.route == "noop"
+
+
+def test_no_cut_widens_then_full_encode():
+    tok, ref = load("gpt2"), reference("gpt2")
+    s = tok.session()
+    text = "x" * 50_000  # no stable cut anywhere: widen 5 times, then full encode
+    s.update(text)
+    ids = s.append("y")
+    assert s.last_repair.route == "full" and s.last_repair.widenings == tt.api.WIDENINGS + 1
+    assert ids.tolist() == ref.encode(text + "y").ids
+
+
+def test_append_cost_does_not_copy_the_text():
+    s = load("gpt2").session()
+    s.update("word " * 200_000)
+    blocks_before = len(s._store._blocks)
+    for _ in range(50):
+        s.append("more words here ")
+    assert len(s._store._blocks) <= blocks_before + 51  # appends go to small tail blocks, no re-join
+    assert s.text.endswith("more words here " * 50)
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "ok \udfff tail"])
+def test_lone_surrogate_is_rejected_and_session_unchanged(bad):
+    s = load("gpt2").session()
+    s.update("kept")
+    with pytest.raises(tt.InvalidRequest, match="surrogate"):
+        s.append(bad)
+    with pytest.raises(tt.InvalidRequest):
+        s.update("kept" + bad)
+    assert s.text == "kept" and s.ids.tolist() == reference("gpt2").encode("kept").ids
+    with pytest.raises(tt.InvalidRequest):
+        load("gpt2").encode(bad)
+
+
+def test_invalid_utf8_and_type_and_size():
+    with pytest.raises(tt.InvalidRequest, match="offset 2"):
+        tt.decode_text(b"ab\xff")
+    assert tt.decode_text("é".encode()) == "é"
+    with pytest.raises(tt.InvalidRequest):
+        load("gpt2").encode(b"bytes")  # type: ignore[arg-type]
+    small = tt.load_tokenizer(tt.default_tokenizer_path(), max_chars=10)
+    with pytest.raises(tt.InvalidRequest, match="limit"):
+        small.encode("x" * 11)
+    s = small.session()
+    s.update("x" * 8)
+    with pytest.raises(tt.InvalidRequest, match="limit"):
+        s.append("yyy")
+    assert s.text == "x" * 8
+
+
+def test_malformed_and_missing_files(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": {"type": "BPE",\n oops}')
+    with pytest.raises(tt.UnsupportedTokenizer, match="line 2"):
+        tt.load_tokenizer(bad)
+    with pytest.raises(tt.UnsupportedTokenizer):
+        tt.load_tokenizer(tmp_path / "nothing-here")
+
+
+def test_reference_engine_sessions_are_exact():
+    tok = tt.load_tokenizer(SHARED / "tokenizers" / "qwen3" / "tokenizer.json", engine="hf")
+    s = tok.session()
+    s.update("hello world")
+    assert s.append(" and more").tolist() == reference("qwen3").encode("hello world and more").ids
+    assert tok.engine.name == "hf"
+
+
+def test_import_does_not_pull_serving_or_gpu_packages():
+    code = "import sys, toktier_backend; print([m for m in ('tritonclient','numba','cupy','pytriton') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,139 @@
+"""Differential fuzz of sessions against the HF reference, every step, every tokenizer file.
+
+Sessions start from slices of real SWE-agent trajectories and then take random steps: appends (real
+continuations, hazard-rich random text, seam-trap halves), edits anywhere, truncations, and appends
+through ``update``. Every step's ids are compared with ``Tokenizer.from_file(...).encode(text,
+add_special_tokens=flag).ids``. The number of steps is ``--fuzz-steps`` per file.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ..conftest import NAMES, load, reference
+from .hazards import SEAM_TRAPS, random_text
+
+MAX_TEXT = 3000  # chars; keeps one HF check ~1 ms so CI can afford >100K steps
+
+
+def _next_text(rng: random.Random, text: str, corpus: str) -> tuple[str, str | None]:
+    """A new text and, when it is an append, the delta."""
+    r = rng.random()
+    if r < 0.35:  # real continuation
+        i = rng.randrange(len(corpus))
+        delta = corpus[i : i + rng.choice([1, 2, 5, 20, 100, 400])]
+    elif r < 0.55:
+        delta = random_text(rng, rng.randint(1, 12))
+    elif r < 0.65:
+        delta = rng.choice(SEAM_TRAPS)[rng.randrange(2)]
+    elif r < 0.8:  # edit somewhere: replace text[p:q] by something
+        p = rng.randint(0, len(text))
+        q = rng.randint(p, min(len(text), p + 50))
+        return text[:p] + random_text(rng, rng.randint(0, 4)) + text[q:], None
+    elif r < 0.9:  # truncation
+        return text[: rng.randint(0, len(text))], None
+    else:  # unchanged or append through update
+        delta = "" if rng.random() < 0.3 else corpus[rng.randrange(len(corpus)) :][:30]
+        return text + delta, None
+    return text + delta, delta
+
+
+def run_fuzz(name: str, steps: int, corpus: str, seed: int) -> dict:
+    tok, ref = load(name), reference(name)
+    rng = random.Random(seed)
+    routes: dict[str, int] = {}
+    done = 0
+    while done < steps:
+        flag = rng.random() < 0.5
+        s = tok.session(add_special_tokens=flag)
+        i = rng.randrange(len(corpus))
+        text = corpus[i : i + rng.randint(0, 2000)]
+        s.update(text)
+        log = [(text, s.ids.copy())]
+        while done < steps and len(text) < MAX_TEXT:
+            new, delta = _next_text(rng, text, corpus)
+            ids = s.append(delta) if delta is not None and rng.random() < 0.7 else s.update(new)
+            text = new
+            log.append((text, ids.copy()))
+            routes[s.last_repair.route] = routes.get(s.last_repair.route, 0) + 1
+            done += 1
+        want = ref.encode_batch([t for t, _ in log], add_special_tokens=flag)
+        for (t, got), w in zip(log, want):
+            if got.tolist() != w.ids:
+                pytest.fail(f"{name} flag={flag}: mismatch on text {t[-80:]!r} (len {len(t)})")
+        assert s.text == text
+    return routes
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_session_fuzz(name, fuzz_steps, corpus_texts):
+    corpus = "".join(corpus_texts)
+    routes = run_fuzz(name, fuzz_steps, corpus, seed=hash(name) & 0xFFFF)
+    # the repair path must actually run (not only full encodes): vllm's incremental-encode test habit
+    assert routes.get("append", 0) + routes.get("edit", 0) > fuzz_steps // 4, routes
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_split_of_seam_traps(name):
+    """Adversarial splits at every position of short hazard strings, as update-then-append and as
+    one-char-at-a-time appends."""
+    tok, ref = load(name), reference(name)
+    strings = [a + b for a, b in SEAM_TRAPS] + [
+        "x = 1234567 + 89\n\n\tit's 'done'\r\n  <|endoftext|> e\u0301 中文 👨\u200d👩\u200d👧",
+        "a.\n\n/path/to/file  \n   \n\nb", "DON'T we'll  \n\n\n" + "9" * 9,
+    ]
+    for flag in (False, True):
+        for s in strings:
+            want = ref.encode(s, add_special_tokens=flag).ids
+            for i in range(len(s) + 1):
+                sess = tok.session(add_special_tokens=flag)
+                sess.update(s[:i])
+                assert sess.append(s[i:]).tolist() == want, (s, i)
+            sess = tok.session(add_special_tokens=flag)
+            for i, ch in enumerate(s):
+                got = sess.append(ch).tolist()
+                assert got == ref.encode(s[: i + 1], add_special_tokens=flag).ids, (s, i)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cases_file_append_split(name, cases):
+    """``shared/cases/tokenizer_cases.jsonl``: every input on every file, split where the case says."""
+    tok, ref = load(name), reference(name)
+    checked = 0
+    for case in cases:
+        text = case["input"]
+        split = case.get("append_split")
+        splits = [split] if split is not None else []
+        splits += [len(text) // 2, 1]
+        for flag in (False, True):
+            want = ref.encode(text, add_special_tokens=flag).ids
+            assert tok.encode(text, add_special_tokens=flag).tolist() == want, case["id"]
+            for sp in splits:
+                sp = min(sp, len(text))
+                sess = tok.session(add_special_tokens=flag)
+                sess.update(text[:sp])
+                assert sess.append(text[sp:]).tolist() == want, (case["id"], sp)
+                checked += 1
+    assert checked >= 2 * len(cases)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3", "llama3_1", "gemma3"])
+def test_real_trajectories_turn_by_turn(name, corpus_texts):
+    """Whole SWE-agent sessions, turn by turn in full-text mode: the repair path serves nearly all turns."""
+    from toktier_backend.corpus import load_turns, trajectory_files
+
+    from ..conftest import SHARED
+
+    tok, ref = load(name), reference(name)
+    for f in trajectory_files(SHARED / "corpus" / "swe-agent")[:6]:
+        turns = load_turns(f)
+        s = tok.session()
+        repaired = 0
+        for t in turns:
+            got = s.update(t)
+            assert np.array_equal(got, ref.encode(t).ids), (f.name, len(t))
+            repaired += s.last_repair.route == "append"
+        assert repaired >= len(turns) - 2

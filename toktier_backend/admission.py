@@ -1,0 +1,228 @@
+"""Admission of a fast engine for one tokenizer file: a startup canary, then a per-code-point guard set.
+
+A fast engine (gigatoken, fastokens) is only ever used where it has been shown to agree with the frozen HF
+reference:
+
+1. **Canary** (:data:`CANARY`): contractions, digit runs, whitespace/CRLF runs, CJK, combining marks,
+   emoji/ZWJ sequences, agent-style code, and *every* added token alone and between letters. One
+   disagreement and the engine is refused for this file (every request then takes the reference).
+2. **Guard set**: every Unicode scalar value (U+0000..U+10FFFF without surrogates) is encoded by both in
+   several contexts (:data:`CONTEXTS`), by group testing over blocks of code points; code points of a
+   disagreeing block are re-tested one by one. A text holding a guarded code point goes to the
+   reference. The table is cached per (file sha256, engine, engine version, ``tokenizers`` version) under
+   ``$TOKTIER_CACHE_DIR`` (default ``~/.cache/toktier_backend``), written atomically. Tables for the
+   nine files of ``shared/tokenizers`` under the pinned engine versions ship in ``data/guard/`` (made by
+   ``toktier guard-tables FILE...``; a full computation takes 1-2 min per file on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+
+from .spec import TokenizerSpec
+
+log = logging.getLogger(__name__)
+
+CANARY: tuple[str, ...] = (
+    "it's I'M we'll they'd you've She'S don't",
+    "1 12 123 1234 12345 1234567890 3.14159 -0.5e10 0x7fff 2025-11-30",
+    "a  b   c\n\n\n  d\r\n\r\n\t\te   \n  ",
+    "x  \n\n\ty \u00a0\u3000z\u2028w\x0b\x0c\x1c\x85",
+    "中文字符测试，日本語のテキスト。한국어 텍스트",
+    "e\u0301 a\u0308 n\u0303 \u1100\u1161\u11a8 Åström café",
+    "👨‍👩‍👧‍👦 🏳️‍🌈 👍🏽 ❤️ 🇺🇸",
+    "def f(x):\n    return x->y + 2025  # it's\n\n\tif (a.b[0] != '/tmp'):\n        pass\r\n",
+    "<div class=\"x\">Hello, World!</div>\n```python\nprint('hi')\n```",
+    "\ufeffBOM \u200b zero\u200cwidth \ufffd replacement \U0001d400 math",
+)
+
+#: Contexts each code point is probed in; ``{}`` is the code point.
+CONTEXTS: tuple[str, ...] = ("a{}b", " {}{}", "1{}\u0301", "\n{}'s ")
+
+_BLOCK = 1024
+_SEP = "\n\n"
+
+
+@dataclass
+class Admission:
+    """Outcome for one (file, engine) pair.
+
+    Attributes:
+        admitted: the engine may serve texts without guarded code points.
+        guarded: sorted guarded code points.
+        reason: why it was refused, when it was.
+    """
+
+    admitted: bool
+    guarded: list[int]
+    reason: str = ""
+
+    def __post_init__(self):
+        self._re = _char_class(self.guarded)
+
+    def has_guarded(self, text: str) -> bool:
+        """Does ``text`` hold a guarded code point? O(len(text)); free for ASCII when none is guarded."""
+        if self._re is None:
+            return False
+        if text.isascii() and not self._ascii_guarded:
+            return False
+        return self._re.search(text) is not None
+
+    @property
+    def _ascii_guarded(self) -> bool:
+        return bool(self.guarded) and self.guarded[0] < 128
+
+
+def _char_class(cps: list[int]) -> re.Pattern | None:
+    if not cps:
+        return None
+    ranges, start, prev = [], cps[0], cps[0]
+    for cp in cps[1:] + [-1]:
+        if cp == prev + 1:
+            prev = cp
+            continue
+        ranges.append(re.escape(chr(start)) + ("-" + re.escape(chr(prev)) if prev > start else ""))
+        start = prev = cp
+    return re.compile("[" + "".join(ranges) + "]")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TOKTIER_CACHE_DIR", Path.home() / ".cache" / "toktier_backend"))
+
+
+def canary_texts(spec: TokenizerSpec) -> list[str]:
+    """The canary for this file: :data:`CANARY` plus every added token alone, between letters, and
+    joined (joined in groups so files with thousands of added tokens stay fast)."""
+    texts = list(CANARY)
+    contents = [a.content for a in spec.added if a.content]
+    for i in range(0, len(contents), 64):
+        group = contents[i : i + 64]
+        texts.append("x" + " a".join(group) + "y")
+        texts.append("".join(group))
+    texts += [f"a{t}b" for t in contents[:512]] + contents[:512]
+    return texts
+
+
+def run_canary(spec: TokenizerSpec, engine) -> str:
+    """Compare ``engine`` with the reference on the canary; ``""`` when they agree, else a reason."""
+    ref = spec.reference
+    for text in canary_texts(spec):
+        want = ref.encode(text, add_special_tokens=False).ids
+        try:
+            got = engine.encode(text).tolist()
+        except Exception as e:  # an engine that raises is refused, not trusted
+            return f"canary raised {type(e).__name__}: {e} on {text[:40]!r}"
+        if got != want:
+            return f"canary mismatch on {text[:60]!r}"
+    return ""
+
+
+def check_offsets(spec: TokenizerSpec) -> None:
+    """Prove ``spec.token_nbytes`` on the canary: ids' byte lengths must sum to the normalized text's
+    UTF-8 length. Disables offsets (``token_nbytes = None``) otherwise."""
+    if spec.token_nbytes is None:
+        return
+    for text in canary_texts(spec):
+        ids = spec.reference.encode(text, add_special_tokens=False).ids
+        if int(spec.token_nbytes[ids].sum()) != spec.normalized_nbytes(text):
+            spec.notes.append(f"token byte lengths disagree with the normalizer on {text[:40]!r}: no offsets")
+            spec.token_nbytes = None
+            return
+
+
+def _probe(cps: list[int]) -> str:
+    return _SEP.join(ctx.format(chr(cp), chr(cp)) for cp in cps for ctx in CONTEXTS)
+
+
+def _scalar_values() -> list[int]:
+    return [cp for cp in range(0x110000) if not 0xD800 <= cp <= 0xDFFF]
+
+
+def compute_guard_set(spec: TokenizerSpec, engine, block: int = _BLOCK) -> list[int]:
+    """Code points on which ``engine`` and the reference disagree in any context (exhaustive)."""
+    ref = spec.reference
+    cps = _scalar_values()
+    blocks = [cps[i : i + block] for i in range(0, len(cps), block)]
+    guarded: list[int] = []
+    batch = 32
+    for i in range(0, len(blocks), batch):
+        group = blocks[i : i + batch]
+        texts = [_probe(b) for b in group]
+        wants = ref.encode_batch(texts, add_special_tokens=False)
+        for b, text, want in zip(group, texts, wants):
+            if engine.encode(text).tolist() == want.ids:
+                continue
+            singles = [_probe([cp]) for cp in b]
+            for cp, t, w in zip(b, singles, ref.encode_batch(singles, add_special_tokens=False)):
+                if engine.encode(t).tolist() != w.ids:
+                    guarded.append(cp)
+    return guarded
+
+
+def admit(spec: TokenizerSpec, engine, *, cache: bool = True) -> Admission:
+    """Canary then guard set (cached). Never raises for a bad engine: it is refused with a reason."""
+    reason = run_canary(spec, engine)
+    if reason:
+        log.warning("engine %s refused for %s: %s", engine.name, spec.path, reason)
+        return Admission(False, [], reason)
+    key = f"{spec.sha256[:32]}-{engine.name}-{engine.version}-tokenizers{tokenizers.__version__}.json"
+    path = _cache_dir() / "guard" / key
+    bundled = Path(__file__).parent / "data" / "guard" / key  # precomputed for the files we test
+    if cache and bundled.is_file():
+        path = bundled
+    if cache and path.is_file():
+        try:
+            return Admission(True, json.loads(path.read_text())["guarded"])
+        except (ValueError, KeyError):
+            log.warning("ignoring unreadable guard cache %s", path)
+    guarded = compute_guard_set(spec, engine)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump({"file": str(spec.path), "engine": engine.name, "guarded": guarded}, f)
+        os.replace(f.name, path)
+    return Admission(True, guarded)
+
+
+def reference_only(reason: str) -> Admission:
+    return Admission(False, [], reason)
+
+
+__all__ = ["Admission", "admit", "canary_texts", "check_offsets", "compute_guard_set", "run_canary"]
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """Precompute guard tables into ``data/guard/`` (or the user cache with ``--cache``)."""
+    import argparse
+    import time
+
+    from .engines.registry import FAST_ENGINE_ORDER, create
+    from .spec import load_spec
+
+    ap = argparse.ArgumentParser(description=_main.__doc__)
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--engine", default=FAST_ENGINE_ORDER[0])
+    ap.add_argument("--cache", action="store_true", help="write to the user cache instead of data/guard")
+    args = ap.parse_args(argv)
+    out = _cache_dir() / "guard" if args.cache else Path(__file__).parent / "data" / "guard"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in args.files:
+        spec = load_spec(f)
+        engine = create(args.engine, str(spec.path))
+        t0 = time.perf_counter()
+        reason = run_canary(spec, engine)
+        guarded = [] if reason else compute_guard_set(spec, engine)
+        key = f"{spec.sha256[:32]}-{engine.name}-{engine.version}-tokenizers{tokenizers.__version__}.json"
+        if not reason:
+            (out / key).write_text(json.dumps({"file": Path(f).parent.name, "engine": engine.name, "guarded": guarded}))
+        print(f"{f}: {reason or f'{len(guarded)} guarded code points'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+

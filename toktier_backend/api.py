@@ -1,0 +1,412 @@
+"""Public API: :func:`load_tokenizer`, :class:`Tokenizer`, :class:`Session`.
+
+A request's path, top-down::
+
+    Session.update(text) / .append(delta)
+      -> validate (UTF-8 scalar values, size)                       api._validate
+      -> departure point d (append: old length; update: common prefix)   pipeline.text_store
+      -> last stable cut c <= d - 1 on a token boundary, widening the window  pipeline.cuts
+      -> re-encode text[c:] with the admitted engine (reference if guarded)   engines / admission
+      -> splice ids and offsets in place, return a read-only view       pipeline.token_buffer
+
+Example (GPT-2, ids from the HF reference)::
+
+    >>> import toktier_backend as tt
+    >>> tok = tt.load_tokenizer(tt.default_tokenizer_path())
+    >>> tok.encode("hello world").tolist()
+    [31373, 995]
+    >>> s = tok.session()
+    >>> s.update("hello").tolist(); s.append(" world").tolist()
+    [31373]
+    [31373, 995]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .admission import Admission, admit, check_offsets, reference_only
+from .engines.hf import HFEngine
+from .engines.registry import FAST_ENGINE_ORDER, create
+from .errors import EngineUnavailable, InvalidRequest, ToktierError
+from .pipeline.cuts import CutFinder
+from .pipeline.text_store import TextStore
+from .pipeline.token_buffer import TokenBuffer
+from .spec import TokenizerSpec, load_spec, resolve_path
+
+log = logging.getLogger(__name__)
+
+#: Default request size limit (chars); a serving config can lower it.
+MAX_CHARS = 64 * 1024 * 1024
+#: First repair window (chars before the departure point) and how often it is doubled.
+WINDOW = 1024
+WIDENINGS = 5
+
+
+def default_tokenizer_path() -> Path:
+    """The bundled GPT-2 ``tokenizer.json`` (MIT, openai-community/gpt2)."""
+    return Path(str(resources.files("toktier_backend") / "data" / "gpt2" / "tokenizer.json"))
+
+
+def decode_text(data: bytes, *, what: str = "TEXT") -> str:
+    """Strict UTF-8 decode of a request field.
+
+    Raises:
+        InvalidRequest: ``data`` is not valid UTF-8 (names the byte offset).
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(
+            f"{what} is not valid UTF-8: byte {e.object[e.start:e.start + 1]!r} at offset {e.start} ({e.reason}); "
+            "send UTF-8 text"
+        ) from None
+
+
+def _validate(text: str, max_chars: int, what: str = "text") -> None:
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{what} must be str, got {type(text).__name__}")
+    if len(text) > max_chars:
+        raise InvalidRequest(f"{what} has {len(text)} chars, over the limit of {max_chars}; split the request")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(
+                f"{what} holds a lone surrogate {text[e.start]!r} at char {e.start}: not a Unicode scalar value; "
+                "send valid UTF-8 text"
+            ) from None
+
+
+@dataclass
+class RepairInfo:
+    """What the last request of a session did.
+
+    Attributes:
+        route: ``"full"`` (whole text encoded), ``"append"`` / ``"edit"`` (tail repaired from a cut),
+            ``"noop"`` (text unchanged), ``"reference"`` (whole text through the HF reference: file or
+            flag not supported by the fast path).
+        departure: first char where the new text departs from the old one (chars).
+        cut: the stable cut the tail was re-encoded from (chars; 0 for full encodes).
+        widenings: how many times the search window was doubled (``WIDENINGS + 1`` = none found).
+        reused: ids of the previous reply that are still valid (Triton's ``KEEP``).
+        reencoded: ids produced by this request's encode.
+        engine: ``"gigatoken"``, ``"fastokens"`` or ``"hf"``.
+    """
+
+    route: str = "full"
+    departure: int = 0
+    cut: int = 0
+    widenings: int = 0
+    reused: int = 0
+    reencoded: int = 0
+    engine: str = "hf"
+
+
+class Tokenizer:
+    """An exact tokenizer with repairing sessions.
+
+    Args:
+        spec: the loaded file (see :func:`load_tokenizer`).
+        engine: fast engine name, ``"auto"`` (first admitted of ``FAST_ENGINE_ORDER``) or ``"hf"``.
+        max_chars: request size limit (chars).
+
+    Every id it returns equals HF ``Tokenizer.from_file(path).encode(text, add_special_tokens=...).ids``.
+    """
+
+    def __init__(self, spec: TokenizerSpec, *, engine: str = "auto", max_chars: int = MAX_CHARS):
+        self.spec = spec
+        self.reference = spec.reference
+        self.max_chars = max_chars
+        self._hf = HFEngine(str(spec.path), spec.reference)
+        check_offsets(spec)
+        self.cuts = CutFinder(spec)
+        self.engine, self.admission = self._choose_engine(engine)
+
+    # ------------------------------------------------------------------ construction
+    def _choose_engine(self, wanted: str):
+        if wanted == "hf":
+            return self._hf, reference_only("engine 'hf' requested")
+        names = FAST_ENGINE_ORDER if wanted == "auto" else (wanted,)
+        reasons = []
+        for name in names:
+            try:
+                eng = create(name, str(self.spec.path))
+            except EngineUnavailable as e:
+                reasons.append(str(e))
+                continue
+            adm = admit(self.spec, eng)
+            if adm.admitted:
+                return eng, adm
+            reasons.append(f"{name}: {adm.reason}")
+        if wanted != "auto":
+            raise EngineUnavailable(f"engine {wanted!r} not admitted for {self.spec.path}: {'; '.join(reasons)}")
+        log.warning("no fast engine admitted for %s, using the reference: %s", self.spec.path, reasons)
+        return self._hf, reference_only("; ".join(reasons))
+
+    @property
+    def path(self) -> Path:
+        return self.spec.path
+
+    @property
+    def family(self) -> str:
+        """Cut family derived from the file's structure (``"gpt2"``, ``"cl100k"``, ``"o200k"``,
+        ``"deepseek_v3"``, ``"segments"``, or ``"none"``)."""
+        return self.cuts.name
+
+    def describe(self) -> dict:
+        """Facts about this tokenizer for logs and ``toktier`` output."""
+        return {
+            "path": str(self.spec.path), "sha256": self.spec.sha256, "family": self.family,
+            "family_reason": self.cuts.reason, "engine": self.engine.name,
+            "engine_admitted": self.admission.admitted, "guarded_code_points": len(self.admission.guarded),
+            "prefix_ids": None if self.spec.prefix_ids is None else self.spec.prefix_ids.tolist(),
+            "suffix_ids": None if self.spec.suffix_ids is None else self.spec.suffix_ids.tolist(),
+            "notes": self.spec.notes,
+        }
+
+    # ------------------------------------------------------------------ encoding
+    def _reference_only(self, add_special_tokens: bool) -> bool:
+        """Requests the fast path cannot serve exactly: non-constant post-processor or truncation/padding."""
+        return self.spec.has_truncation_or_padding or (add_special_tokens and self.spec.prefix_ids is None)
+
+    def encode_body(self, text: str) -> tuple[np.ndarray, str]:
+        """Body ids (no post-processor) and the engine that produced them.
+
+        The admitted engine serves texts without guarded code points; everything else, and any engine
+        error, goes to the reference.
+        """
+        eng = self.engine
+        if eng is not self._hf and not self.admission.has_guarded(text):
+            try:
+                return eng.encode(text), eng.name
+            except Exception as e:  # never answer approximately: the reference takes it
+                log.warning("engine %s failed (%s); reference used", eng.name, e)
+        return self._hf.encode(text), "hf"
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """Ids of ``text``.
+
+        Args:
+            text: the text (Unicode scalar values only).
+            add_special_tokens: apply the post-processor (e.g. Llama 3's ``<|begin_of_text|>``).
+
+        Returns:
+            ``np.ndarray[int32] (n_tokens,)``, equal to HF ``encode(text, add_special_tokens=...).ids``.
+
+        Raises:
+            InvalidRequest: lone surrogates, not ``str``, or over ``max_chars``.
+        """
+        _validate(text, self.max_chars)
+        if self._reference_only(add_special_tokens):
+            return np.asarray(self.reference.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
+        body, _ = self.encode_body(text)
+        if not add_special_tokens or (len(self.spec.prefix_ids) == 0 and len(self.spec.suffix_ids) == 0):
+            return body
+        return np.concatenate([self.spec.prefix_ids, body, self.spec.suffix_ids])
+
+    def session(self, *, add_special_tokens: bool = True) -> "Session":
+        """A new, empty session (see :class:`Session`)."""
+        return Session(self, add_special_tokens=add_special_tokens)
+
+
+class Session:
+    """Stateful tokenization of one growing or edited text.
+
+    Holds the text (blocks, no O(n) copy per append), the ids and the token end offsets. Not thread-safe:
+    the serving layer runs one request per session at a time (Triton's sequence batcher does).
+
+    Invariant after every call: ``ids == HF encode(text, add_special_tokens=flag).ids``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, add_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.add_special_tokens = add_special_tokens
+        spec = tokenizer.spec
+        self._reference_only = tokenizer._reference_only(add_special_tokens)
+        empty = np.zeros(0, dtype=np.int32)
+        pre = spec.prefix_ids if add_special_tokens and not self._reference_only else empty
+        suf = spec.suffix_ids if add_special_tokens and not self._reference_only else empty
+        self._store = TextStore()
+        self._buf = TokenBuffer(pre, suf)
+        self._ref_ids: np.ndarray | None = None  # whole reply, for reference-only sessions
+        self.last_repair = RepairInfo()
+        self.requests = 0
+        if self._reference_only:
+            self._ref_ids = tokenizer.encode("", add_special_tokens=add_special_tokens)
+        else:
+            self._buf.splice(0, empty, spec.token_nbytes if spec.token_nbytes is not None else np.zeros(1, np.int32))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def text(self) -> str:
+        """The session's whole text (joins blocks on first access after appends: O(n))."""
+        return self._store.text
+
+    def __len__(self) -> int:
+        """Length of the text (chars)."""
+        return len(self._store)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """``np.ndarray[int32] (n,)`` read-only view, valid until the session's next call (copy to keep)."""
+        if self._ref_ids is not None:
+            return self._ref_ids
+        return self._buf.ids()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: text blocks + id/offset buffers (bytes)."""
+        ref = self._ref_ids.nbytes if self._ref_ids is not None else 0
+        return self._store.nbytes + self._buf.nbytes + ref
+
+    # ------------------------------------------------------------------ requests
+    def update(self, text: str) -> np.ndarray:
+        """Full-text mode: ``text`` is the whole new text (an append, an edit, or a truncation).
+
+        Returns:
+            ``np.ndarray[int32] (n,)`` read-only view: HF ``encode(text, add_special_tokens=flag).ids``.
+
+        Raises:
+            InvalidRequest: bad text; the session is unchanged.
+        """
+        tok = self.tokenizer
+        _validate(text, tok.max_chars)
+        old_len = len(self._store)
+        d = self._store.common_prefix(text) if old_len else 0
+        if d == old_len == len(text) and self.requests:
+            return self._noop(d)
+        return self._apply(d, new_tail_from=lambda c: text[c:], new_len=len(text),
+                           commit=lambda: self._store.replace(text), full_text=lambda: text)
+
+    def append(self, delta: str) -> np.ndarray:
+        """Delta mode: the new text is ``self.text + delta``.
+
+        Returns / Raises: as :meth:`update`.
+        """
+        tok = self.tokenizer
+        _validate(delta, tok.max_chars, "delta")
+        old_len = len(self._store)
+        if old_len + len(delta) > tok.max_chars:
+            raise InvalidRequest(f"session text would reach {old_len + len(delta)} chars, over the limit of {tok.max_chars}")
+        if not delta and self.requests:
+            return self._noop(old_len)
+        return self._apply(old_len, new_tail_from=lambda c: self._store.tail(c) + delta,
+                           new_len=old_len + len(delta), commit=lambda: self._store.append(delta),
+                           full_text=lambda: self._store.text + delta)
+
+    # ------------------------------------------------------------------ the repair
+    def _noop(self, d: int) -> np.ndarray:
+        self.requests += 1
+        n = len(self.ids)
+        self.last_repair = RepairInfo(route="noop", departure=d, cut=d, reused=n, engine="none")
+        return self.ids
+
+    def _apply(self, d: int, *, new_tail_from, new_len: int, commit, full_text) -> np.ndarray:
+        tok = self.tokenizer
+        self.requests += 1
+        if self._ref_ids is not None:  # reference-only session: whole text through HF, every time
+            text = full_text()
+            ids = np.asarray(tok.reference.encode(text, add_special_tokens=self.add_special_tokens).ids, dtype=np.int32)
+            reused = _common_prefix_len(self._ref_ids, ids)
+            commit()
+            self._ref_ids = ids
+            self.last_repair = RepairInfo(route="reference", departure=d, reused=reused, reencoded=len(ids))
+            return ids
+        old_len = len(self._store)
+        found = self._find_cut(d) if d > 0 and new_len > 0 else None
+        if found is None:
+            return self._full(d, full_text(), commit, widenings=WIDENINGS + 1 if d > 0 else 0)
+        c, keep, widenings = found
+        tail = new_tail_from(c)
+        body, engine = tok.encode_body(tail)
+        self._buf.splice(keep, body, tok.spec.token_nbytes)
+        commit()
+        self.last_repair = RepairInfo(
+            route="append" if d == old_len else "edit", departure=d, cut=c, widenings=widenings,
+            reused=self._buf.n_prefix + keep, reencoded=len(body), engine=engine,
+        )
+        return self._buf.ids()
+
+    def _find_cut(self, d: int) -> tuple[int, int, int] | None:
+        """``(cut, body tokens kept, widenings)``: the last stable cut ``c <= d - 1`` that is also a token
+        boundary of the stored ids, searching ``WINDOW * 2**k`` chars before ``d`` for ``k = 0..WIDENINGS``.
+        """
+        finder = self.tokenizer.cuts
+        if not finder.supported:
+            return None
+        spec = self.tokenizer.spec
+        store_len = len(self._store)
+        hi = d - 1
+        for k in range(WIDENINGS + 1):
+            lo = max(1, d - WINDOW * (2**k))
+            if lo > hi:
+                break
+            base = max(0, lo - finder.left_context)
+            window = self._store.tail(base)[: d - base]  # old text == new text before d
+            while True:
+                c = finder.last_cut(window, lo - base, hi - base, d - base)
+                if c is None:
+                    break
+                c += base
+                # byte position of c in the normalized text: total minus the old tail after c
+                nb = self._buf.body_nbytes - spec.normalized_nbytes(self._store.tail(c) if c < store_len else "")
+                keep = self._buf.tokens_before(nb)
+                if keep is not None:
+                    return c, keep, k
+                log.warning("stable cut %d is not a token boundary (family %s); trying an earlier one", c, finder.name)
+                hi = c - 1
+            hi = lo - 1
+        return None
+
+    def _full(self, d: int, text: str, commit, widenings: int) -> np.ndarray:
+        tok = self.tokenizer
+        old = self._buf.ids().copy() if self.requests > 1 else None
+        body, engine = tok.encode_body(text)
+        self._buf.splice(0, body, tok.spec.token_nbytes if tok.spec.token_nbytes is not None else _ZEROS_FOR(body))
+        commit()
+        ids = self._buf.ids()
+        reused = _common_prefix_len(old, ids) if old is not None else 0
+        self.last_repair = RepairInfo(route="full", departure=d, cut=0, widenings=widenings,
+                                      reused=reused, reencoded=len(body), engine=engine)
+        return ids
+
+
+def _ZEROS_FOR(ids: np.ndarray) -> np.ndarray:
+    """Offsets table stand-in when a file has none: sessions then never cut, so ends are unused."""
+    return np.zeros(int(ids.max()) + 1 if len(ids) else 1, dtype=np.int32)
+
+
+def _common_prefix_len(a: np.ndarray | None, b: np.ndarray) -> int:
+    if a is None:
+        return 0
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def load_tokenizer(spec: str | os.PathLike | None = None, *, engine: str = "auto", max_chars: int = MAX_CHARS) -> Tokenizer:
+    """Load a tokenizer.
+
+    Args:
+        spec: path to a ``tokenizer.json``, a folder holding one, or a Hugging Face Hub id (needs a
+            network); ``None`` loads the bundled GPT-2 file.
+        engine: ``"auto"``, ``"gigatoken"``, ``"fastokens"`` or ``"hf"``.
+        max_chars: request size limit (chars).
+
+    Raises:
+        UnsupportedTokenizer: file missing, malformed or refused by HF ``tokenizers``.
+        EngineUnavailable: a named engine is missing or not admitted for this file.
+    """
+    path = resolve_path(default_tokenizer_path() if spec is None else spec)
+    return Tokenizer(load_spec(path), engine=engine, max_chars=max_chars)
+
+
+__all__ = ["RepairInfo", "Session", "Tokenizer", "ToktierError", "Admission", "decode_text",
+           "default_tokenizer_path", "load_tokenizer"]

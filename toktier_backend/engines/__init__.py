@@ -1,0 +1,1 @@
+"""Engines behind one protocol; see ``protocol.Engine`` and ``registry``."""

@@ -1,0 +1,1 @@
+"""The request path: text store -> diff -> cuts -> engine -> splice."""

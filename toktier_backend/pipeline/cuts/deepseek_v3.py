@@ -1,0 +1,43 @@
+"""Stable cuts for DeepSeek-V3: a ``Sequence`` of three ``Split`` pre-tokenizers (all ``Isolated``).
+
+1. ``\\p{N}{1,3}`` — digit groups.   2. ``[一-龥぀-ゟ゠-ヿ]+`` — CJK/kana runs.
+3. ``[!"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|
+   ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+``
+
+Each split acts on each piece of the previous one, and unmatched gaps stay pieces. So ``c`` is stable when
+no match of any of the three regexes can hold both ``x = text[c-1]`` and ``y = text[c]`` and no look-ahead
+is evaluated at ``c``; then every piece boundary of the whole text at ``c`` is one of the prefix too.
+
+Rule A — ``x`` ASCII letter or digit, ``y == ' '``: split 1 never holds a space; split 2 holds only CJK;
+in split 3 letters are followed only by letters/marks (``[\\p{L}\\p{M}]+``, ``[A-Za-z]+``), and a digit
+reaching split 3 has already been isolated by split 1.
+
+Rule B — ``x == '\\n'`` and ``y`` printable non-space ASCII: in split 3 the match holding ``x`` is the
+``[\\r\\n]*`` tail of a punctuation/symbol match or ``\\s*[\\r\\n]+`` over the whole whitespace run, tried
+before ``\\s+(?!\\S)`` (as in ``llama3.py``); the optional prefix ``[^\\r\\n\\p{L}\\p{P}\\p{S}]?`` excludes
+``\\n``; the first alternative starts with punctuation, not ``\\n``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ._chars import ALNUM, GRAPH
+
+NAME = "deepseek_v3"
+SEAM = re.compile(r"(?<=[A-Za-z0-9])(?= )|(?<=\n)(?=[!-~])")
+PATTERNS = (
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+)
+
+
+def is_stable_cut(text: str, c: int, end: int) -> bool:
+    """Rule A or B at ``c``; reads ``text[c-1 : c+1]`` and needs ``c + 1 <= end``."""
+    if not (1 <= c < end):
+        return False
+    x, y = text[c - 1], text[c]
+    if y == " ":
+        return x in ALNUM
+    return x == "\n" and y in GRAPH

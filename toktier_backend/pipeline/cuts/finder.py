@@ -1,0 +1,153 @@
+"""Find the last provably stable cut in a window, for the family of a tokenizer file.
+
+A *stable cut* ``c`` of ``text`` is a char index such that::
+
+    encode(text) == encode(text[:c]) + encode(text[c:])     (body ids, no post-processor)
+
+for **every** continuation of the text after ``end`` — the predicates read only ``text[: end]``. The
+family is derived from the file's own normalizer and pre-tokenizer structure (the literal regexes each
+predicate module proves itself against), never from a list of file hashes.
+"""
+
+from __future__ import annotations
+
+import re
+from types import ModuleType
+
+from ...spec import TokenizerSpec, _walk
+from . import byte_level, deepseek_v3, llama3, o200k, segments
+from .added_tokens import AddedTokenSeams
+
+#: Normalizer leaves under which an ASCII seam stays a seam (ASCII is NFC/NFD-stable).
+_ASCII_STABLE_NORMALIZERS = {"NFC", "NFD"}
+
+
+def _isolating(leaf: dict) -> bool:
+    """A Split that keeps every match as its own pre-token (regexes here match every char)."""
+    return leaf.get("behavior") == "Isolated" and not leaf.get("invert") or (
+        leaf.get("behavior") == "Removed" and leaf.get("invert") is True
+    )
+
+
+def _regex(leaf: dict) -> str | None:
+    pat = leaf.get("pattern") or {}
+    return pat.get("Regex") if isinstance(pat, dict) else None
+
+
+def detect_family(spec: TokenizerSpec) -> tuple[ModuleType | None, str]:
+    """The cut-predicate module for ``spec`` and a one-line reason.
+
+    Returns ``(None, reason)`` when no cut can be proven at all (then every request is a full encode).
+    """
+    if spec.token_nbytes is None:
+        return None, "ids cannot be mapped to text offsets: " + "; ".join(spec.notes)
+    if any(a.lstrip or a.rstrip or a.single_word for a in spec.added):
+        return None, "added tokens with lstrip/rstrip/single_word: their whitespace rules are not proven"
+    norm = [leaf.get("type") for leaf in _walk(spec.config.get("normalizer"))]
+    if norm and any(a.normalized for a in spec.added):
+        return None, "added tokens matched on normalized text under a non-trivial normalizer"
+    pre = _walk(spec.config.get("pre_tokenizer"))
+    types = [leaf.get("type") for leaf in pre]
+    for leaf in pre:
+        if leaf.get("type") == "ByteLevel" and leaf.get("add_prefix_space"):
+            return None, "ByteLevel add_prefix_space=True inserts a space per segment"
+        if leaf.get("type") == "Metaspace":
+            return None, "Metaspace prepends to the first segment only"
+    if any(t not in ("Split", "ByteLevel") for t in types):
+        return segments, f"pre-tokenizer {types} has no cut proof inside segments: added-token seams only"
+    regex_ok = all(t in _ASCII_STABLE_NORMALIZERS for t in norm)
+    splits = [leaf for leaf in pre if leaf["type"] == "Split"]
+    tail_ok = bool(types) and types[-1] == "ByteLevel" and types.count("ByteLevel") == 1
+    if regex_ok and tail_ok and all(_isolating(s) for s in splits):
+        pats = [_regex(s) for s in splits]
+        if not splits and pre[-1].get("use_regex", True):
+            return byte_level, "ByteLevel GPT-2 regex"
+        if len(pats) == 1 and pats[0] in llama3.PATTERNS.values() and pre[-1].get("use_regex") is False:
+            return llama3, "cl100k-style Split regex"
+        if len(pats) == 1 and pats[0] == o200k.PATTERN and pre[-1].get("use_regex") is False:
+            return o200k, "o200k Split regex"
+        if tuple(pats) == deepseek_v3.PATTERNS and pre[-1].get("use_regex") is False:
+            return deepseek_v3, "DeepSeek-V3 Split sequence"
+    return segments, "no proven regex family: added-token seams only"
+
+
+class CutFinder:
+    """Last stable cut in a window, for one tokenizer file.
+
+    Args:
+        spec: the loaded file.
+    """
+
+    def __init__(self, spec: TokenizerSpec):
+        self.family, self.reason = detect_family(spec)
+        self.name = self.family.NAME if self.family is not None else "none"
+        self.seams = AddedTokenSeams([a.content for a in spec.added])
+        starts = "".join(re.escape(ch) for ch in self.seams.first_chars)
+        self._start_re = re.compile(f"(?=[{starts}])") if starts else None
+        #: chars of left context the predicates read before a cut.
+        self.left_context = max(2, self.seams.max_len)
+
+    @property
+    def supported(self) -> bool:
+        return self.family is not None
+
+    def is_stable_cut(self, text: str, c: int, end: int) -> bool:
+        """The predicate: family rule or added-token segment start at ``c``, and no added token crossing.
+
+        Reads only ``text[c - left_context : end]``; ``0 < c < end <= len(text)``.
+        """
+        if not (0 < c < end):
+            return False
+        if self.seams.crosses(text, c):
+            return False
+        return self.family.is_stable_cut(text, c, end) or self.seams.starts_at(text, c, end)
+
+    def _candidates(self, text: str, lo: int, hi: int) -> list[int]:
+        out: list[int] = []
+        if self.family.SEAM is not None:
+            out.extend(m.start() for m in self.family.SEAM.finditer(text, lo, hi + 1))
+        if self._start_re is not None:
+            out.extend(m.start() for m in self._start_re.finditer(text, lo, hi + 1))
+        return out
+
+    def last_cut(self, text: str, lo: int, hi: int, end: int) -> int | None:
+        """The largest stable cut ``c`` with ``lo <= c <= hi`` (and ``c < end``), or ``None``.
+
+        Searches backwards in growing slices so the usual case (a cut within a few dozen chars) costs
+        a few microseconds.
+        """
+        if not self.supported:
+            return None
+        hi = min(hi, end - 1)
+        lo = max(lo, 1)
+        span = 128
+        top = hi
+        while top >= lo:
+            bottom = max(lo, top - span + 1)
+            for c in sorted(set(self._candidates(text, bottom, top)), reverse=True):
+                if self.is_stable_cut(text, c, end):
+                    return c
+            top = bottom - 1
+            span *= 4
+        return None
+
+    def cuts(self, text: str, step: int) -> list[int]:
+        """Stable cuts of a whole text, roughly every ``step`` chars (the first stable cut at or after
+        each multiple of ``step``): used to split a long text into independently encodable chunks."""
+        out: list[int] = []
+        n = len(text)
+        pos = step
+        while self.supported and pos < n:
+            c = self._first_cut(text, pos, min(n - 1, pos + step - 1), n)
+            if c is None:
+                pos += step
+                continue
+            out.append(c)
+            pos = c + step
+        return out
+
+    def _first_cut(self, text: str, lo: int, hi: int, end: int) -> int | None:
+        for c in sorted(set(self._candidates(text, lo, hi))):
+            if self.is_stable_cut(text, c, end):
+                return c
+        return None

@@ -1,0 +1,77 @@
+"""A session's ids and token end offsets in amortized-growth int32 buffers, truncated and appended in place.
+
+Layout of ``ids``: ``[prefix ids][body ids][suffix ids]`` — the post-processor's constant ids around the
+body (Llama 3: ``prefix = [<|begin_of_text|>]``). ``ends[i]`` is the end of body token ``i`` in bytes of
+*normalized* UTF-8 text (so ``ends[-1]`` is the normalized byte length of the whole body).
+Memory: 8 bytes per token (4 for the id, 4 for the end) plus the unused capacity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class TokenBuffer:
+    __slots__ = ("_ids", "_ends", "_n", "_prefix", "_suffix")
+
+    def __init__(self, prefix: np.ndarray, suffix: np.ndarray, capacity: int = 1024):
+        self._prefix = prefix
+        self._suffix = suffix
+        cap = max(capacity, len(prefix) + len(suffix) + 1)
+        self._ids = np.empty(cap, dtype=np.int32)
+        self._ends = np.empty(cap, dtype=np.int32)
+        self._ids[: len(prefix)] = prefix
+        self._n = 0  # body tokens
+
+    @property
+    def n_body(self) -> int:
+        return self._n
+
+    @property
+    def n_prefix(self) -> int:
+        return len(self._prefix)
+
+    @property
+    def body_nbytes(self) -> int:
+        """Normalized UTF-8 bytes covered by the body tokens."""
+        return int(self._ends[self._n - 1]) if self._n else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._ids.nbytes + self._ends.nbytes
+
+    def ids(self) -> np.ndarray:
+        """``np.ndarray[int32] (n_prefix + n_body + n_suffix,)``, a read-only view valid until the next
+        change of this buffer."""
+        p = len(self._prefix)
+        v = self._ids[: p + self._n + len(self._suffix)]
+        v = v.view()
+        v.flags.writeable = False
+        return v
+
+    def tokens_before(self, nbytes: int) -> int | None:
+        """Number of body tokens ending at or before byte ``nbytes``; ``None`` when no token ends exactly
+        there (the position is inside a token)."""
+        if nbytes == 0:
+            return 0
+        k = int(np.searchsorted(self._ends[: self._n], nbytes, side="right"))
+        return k if k > 0 and self._ends[k - 1] == nbytes else None
+
+    def splice(self, keep: int, new_ids: np.ndarray, token_nbytes: np.ndarray) -> None:
+        """Keep the first ``keep`` body tokens, append ``new_ids`` (``np.ndarray[int32]``) after them."""
+        p, s = len(self._prefix), len(self._suffix)
+        need = p + keep + len(new_ids) + s
+        if need > len(self._ids):
+            cap = max(need, 2 * len(self._ids))
+            ids = np.empty(cap, dtype=np.int32)
+            ends = np.empty(cap, dtype=np.int32)
+            ids[: p + keep] = self._ids[: p + keep]
+            ends[:keep] = self._ends[:keep]
+            self._ids, self._ends = ids, ends
+        base = int(self._ends[keep - 1]) if keep else 0
+        self._ids[p + keep : p + keep + len(new_ids)] = new_ids
+        np.cumsum(token_nbytes[new_ids], out=self._ends[keep : keep + len(new_ids)])
+        self._ends[keep : keep + len(new_ids)] += base
+        self._n = keep + len(new_ids)
+        if s:
+            self._ids[p + self._n : p + self._n + s] = self._suffix
