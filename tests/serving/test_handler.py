@@ -111,6 +111,25 @@ def test_start_with_delta_rejected(handler):
         handler.handle_session(5, b"x", mode="delta", start=True)
 
 
+def test_failed_first_update_holds_nothing(tok, clock):
+    class Refusing:  # a core session that refuses its first text (as the core does over its size limit)
+        def session(self, *, add_special_tokens=True):
+            s = tok.session(add_special_tokens=add_special_tokens)
+
+            def update(text):
+                raise tt.InvalidRequest("refused")
+
+            s.update = update
+            return s
+
+    h = Handler(Refusing(), max_text_bytes=1000, session_ttl_s=10, clock=clock)
+    with pytest.raises(tt.InvalidRequest):
+        h.handle_session(12, b"some text", start=True)
+    assert 12 not in h.store
+    with pytest.raises(tt.UnknownSession):
+        h.handle_session(12, b"x", mode="delta")
+
+
 def test_end_frees_state_even_on_error(handler):
     handler.handle_session(3, b"one", start=True)
     handler.handle_session(3, b" two", mode="delta", end=True)

@@ -235,13 +235,14 @@ class Handler:
         now = self.store.now()
         if mode == "full":
             flag = True if add_special is None else bool(add_special)
-            if entry is None or entry.add_special_tokens != flag:
+            fresh = entry is None or entry.add_special_tokens != flag
+            if fresh:
+                # held only once its first update succeeded: a failed one leaves the store as it was
                 entry = SessionEntry(self.tokenizer.session(add_special_tokens=flag), flag, 0, now)
+                ids = entry.session.update(value)
                 self.store.put(corr_id, entry)
-                fresh = True
             else:
-                fresh = False
-            ids = self._run(corr_id, entry, lambda s: s.update(value))
+                ids = self._run(corr_id, entry, lambda s: s.update(value))
             entry.text_bytes = size
         else:
             if start:
