@@ -25,7 +25,7 @@ def test_serve_until_sigterm():
 
     http, grpc, metrics = free_ports(3)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "toktier_backend.serving.cli_serve", "serve", "--tokenizer", str(BUNDLED),
+        [sys.executable, "-m", "toktier_backend.cli", "serve", "--tokenizer", str(BUNDLED),
          "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
