@@ -13,6 +13,8 @@ import random
 import numpy as np
 import pytest
 
+import toktier_backend as tt
+
 from ..conftest import NAMES, load, reference
 from .hazards import SEAM_TRAPS, random_text
 
@@ -105,7 +107,19 @@ def test_cases_file_append_split(name, cases):
     checked = 0
     for case in cases:
         text = case["input"]
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: a clear error on every path, never ids
+            with pytest.raises(tt.InvalidRequest):
+                tok.encode(text)
+            with pytest.raises(tt.InvalidRequest):
+                tok.session().update(text)
+            checked += 2
+            continue
         split = case.get("append_split")
+        if split is not None and case.get("append_split_unit") == "utf16_code_unit":
+            units = text.encode("utf-16-le")[: 2 * split]
+            split = len(units.decode("utf-16-le", errors="ignore"))
         splits = [split] if split is not None else []
         splits += [len(text) // 2, 1]
         for flag in (False, True):

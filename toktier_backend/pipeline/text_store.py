@@ -85,8 +85,10 @@ class TextStore:
             got += len(b)
             if got >= need:
                 break
-        s = parts[0] if len(parts) == 1 else "".join(reversed(parts))
-        return s[len(s) - need :]
+        over = got - need  # chars of the oldest part that are not wanted: slice them off before joining
+        if over:
+            parts[-1] = parts[-1][over:]
+        return parts[0] if len(parts) == 1 else "".join(reversed(parts))
 
     def truncate(self, n: int) -> None:
         """Keep ``text[:n]``."""

@@ -54,7 +54,8 @@ class TokenBuffer:
         there (the position is inside a token)."""
         if nbytes == 0:
             return 0
-        k = int(np.searchsorted(self._ends[: self._n], nbytes, side="right"))
+        # np.int32 needle: a Python int would make numpy cast the whole array (O(n)) before searching
+        k = int(np.searchsorted(self._ends[: self._n], np.int32(nbytes), side="right"))
         return k if k > 0 and self._ends[k - 1] == nbytes else None
 
     def splice(self, keep: int, new_ids: np.ndarray, token_nbytes: np.ndarray) -> None:
@@ -68,10 +69,11 @@ class TokenBuffer:
             ids[: p + keep] = self._ids[: p + keep]
             ends[:keep] = self._ends[:keep]
             self._ids, self._ends = ids, ends
-        base = int(self._ends[keep - 1]) if keep else 0
+        base = self._ends[keep - 1] if keep else np.int32(0)
         self._ids[p + keep : p + keep + len(new_ids)] = new_ids
-        np.cumsum(token_nbytes[new_ids], out=self._ends[keep : keep + len(new_ids)])
-        self._ends[keep : keep + len(new_ids)] += base
+        ends = self._ends[keep : keep + len(new_ids)]
+        np.cumsum(token_nbytes[new_ids], out=ends)
+        ends += base
         self._n = keep + len(new_ids)
         if s:
             self._ids[p + self._n : p + self._n + s] = self._suffix
