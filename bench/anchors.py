@@ -301,6 +301,11 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return (time.perf_counter_ns() - t0) / 1e6, out
 
 
+def fmt_ratio(x: float) -> str:
+    """A ratio for a table: three significant digits, no exponent (``0.0123``, ``2.35``, ``1290``)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (linear interpolation) or ``None`` for no values."""
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 exact = "reference" if key == "hf" else (
                     "unchecked" if not v["checked"] else
                     "yes" if not v["mismatches"] else f"INEXACT {v['mismatches']}/{v['checked']}")
-                ratio = f"{v['p50_ms'] / ours:>10.3g}x" if ours and key != "ours" else f"{'':>11}"
+                ratio = f"{A.fmt_ratio(v['p50_ms'] / ours):>10}x" if ours and key != "ours" else f"{'':>11}"
                 print(f"  {key:<10} {v['n']:>3} {v['p50_ms']:>10.2f} {v['p90_ms']:>10.2f} {ratio}  {exact}",
                       flush=True)
         results["tokenizers"][name] = entry

@@ -3,7 +3,8 @@
 For each tokenizer and context size (chars), a session text is built from the SWE-agent corpus
 (trajectories rendered as ChatML, concatenated and repeated, cut back to the last turn boundary), then
 ``--samples`` whole next turns of 1.0K-2.5K chars, taken from the corpus trajectories, are appended one
-after another to that *growing* session. Per sample, in this order and on the same text:
+after another to that *growing* session. Each system runs all samples in turn (ours, toktier,
+gigatoken, then HF), one at a time, on the same texts:
 
 - ``ours``: ``Session.append(delta)`` on a session warmed with ``update(base)`` (returns all ids);
 - ``toktier``: toktier 0.3.0 session append (``tok.encode(transcript, session=id)``), where it runs;
@@ -118,50 +119,64 @@ def run_size(ctx: dict, size: int, deltas: list[str], args) -> dict:
         tts.append(warm)
     text = base + warm
 
+    # One system at a time over the same samples (as tiktoken's benchmark does per library): a 3M-char
+    # HF encode (the reference, or toktier's llama3_1 route) churns hundreds of MB and made the next call
+    # of any system several times slower than it runs alone. Ids are copied, untimed, for the checks.
     ms = {k: [] for k in SYSTEMS}
-    bad = Counter()
-    checked = Counter()
+    got = {k: [] for k in ("ours", "toktier", "gigatoken")}
     routes, tt_routes = Counter(), Counter()
-    for k, delta in enumerate(samples):
-        t, ours_ids = timed(lambda: s.append(delta))
+    for delta in samples:  # ours
+        t, ids = timed(lambda: s.append(delta))
         ms["ours"].append(t)
+        got["ours"].append(np.array(ids, dtype=np.int32))  # a view valid until the next call: copy
         routes[str(s.last_repair.route)] += 1
+    ends = []
+    for delta in samples:
         text += delta
-        tt_ids = None
-        if tts is not None:
-            t, tt_ids = timed(lambda: tts.append(delta))
+        ends.append(len(text))
+    if tts is not None:
+        for delta in samples:
+            t, ids = timed(lambda: tts.append(delta))
             ms["toktier"].append(t)
+            got["toktier"].append(np.array(ids, dtype=np.int32))
             tt_routes[tts.route()] += 1
-        g_ids = None
-        if giga is not None:
-            t, g_ids = timed(lambda: giga(text))
+    if giga is not None:
+        for end in ends:
+            sample_text = text[:end]
+            t, ids = timed(lambda: giga(sample_text))
             ms["gigatoken"].append(t)
+            got["gigatoken"].append(ids)
+    final_ids = len(got["ours"][-1])
 
-        if k in hf_runs:  # the reference: exactness of every column on this sample
-            t, enc = timed(lambda: ref.encode(text, add_special_tokens=special))
+    # Phase 2: the reference. HF full re-encode of each sample's text (timed), and every check.
+    bad, checked = Counter(), Counter()
+    for k in range(len(samples)):
+        if k in hf_runs:
+            t, enc = timed(lambda: ref.encode(text[: ends[k]], add_special_tokens=special))
             ms["hf"].append(t)
             want_ours = np.asarray(enc.ids, dtype=np.int64)
             want_core = core_ids(enc) if special else want_ours
             against = "hf"
-        else:  # --verify gigatoken: gigatoken stands in (it matched HF on every HF sample so far)
-            want_ours = want_core = np.asarray(g_ids, dtype=np.int64)  # core stream: special is off here
+            del enc
+        else:  # --verify gigatoken: gigatoken stands in (it is checked against HF on the HF samples)
+            want_ours = want_core = np.asarray(got["gigatoken"][k], dtype=np.int64)  # special is off here
             against = "gigatoken"
-        for name, got, want in (("ours", ours_ids, want_ours), ("toktier", tt_ids, want_core),
-                                ("gigatoken", g_ids, want_core)):
-            if got is None or (name == "gigatoken" and against == "gigatoken"):
+        for name, want in (("ours", want_ours), ("toktier", want_core), ("gigatoken", want_core)):
+            if not got[name] or (name == "gigatoken" and against == "gigatoken"):
                 continue
             checked[name] += 1
-            at = A.first_mismatch(got, want)
+            ids = got[name][k]
+            at = A.first_mismatch(ids, want)
             if at is not None:
                 bad[name] += 1
                 print(f"  MISMATCH {name} vs {against}: {ctx['name']} {size} sample {k}: first diff at id {at} "
-                      f"got {list(np.asarray(got)[at:at + 5])} want {list(want[at:at + 5])} "
-                      f"(len {len(got)} vs {len(want)})", flush=True)
+                      f"got {list(np.asarray(ids)[at:at + 5])} want {list(want[at:at + 5])} "
+                      f"(len {len(ids)} vs {len(want)})", flush=True)
 
     out = {
         "base_chars": len(base),
         "final_chars": len(text),
-        "final_ids": int(len(ours_ids)),
+        "final_ids": int(final_ids),
         "append_chars": {"p50": A.percentile([len(d) for d in samples], 50),
                          "min": min(map(len, samples)), "max": max(map(len, samples))},
         "ours_update_ms": update_ms,
@@ -197,7 +212,7 @@ def print_size(name: str, size: int, r: dict) -> None:
                                                   f"INEXACT {v['mismatches']}/{v['checked']}")
         if key == "hf":
             exact = "reference"
-        ratio = f"{v['p50_ms'] / ours:>10.3g}x" if ours and key != "ours" else f"{'':>11}"
+        ratio = f"{A.fmt_ratio(v['p50_ms'] / ours):>10}x" if ours and key != "ours" else f"{'':>11}"
         print(f"  {LABELS[key]:<30} {v['n']:>3} {v['p50_ms']:>10.2f} {v['p90_ms']:>10.2f} {ratio}  {exact}")
     print(f"  ours routes: {r['ours_routes']}" + (f"; toktier routes: {r['toktier_routes']}" if r["toktier_routes"] else ""))
 
@@ -274,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         "checkout": A.core_revision(),
         "versions": {m: A._version(m) for m in ("toktier_backend", "tokenizers", "gigatoken", "toktier")},
         "session_mode": "one growing session per size: update(base), 1 untimed warm-up append, then "
-                        "--samples timed appends, each to the text the previous one produced",
+                        "--samples timed appends, each to the text the previous one produced; systems run "
+                        "one after another over the same samples (ours, toktier, gigatoken, hf)",
         "tokenizers": {},
     }
     t_start = time.perf_counter()
@@ -318,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     total_bad = 0
     for name, entry in results["tokenizers"].items():
         for size, r in entry["sizes"].items():
-            rs = "  ".join(f"{k.split('_')[0]}/ours={v:.3g}x" for k, v in r["ratios"].items() if v)
+            rs = "  ".join(f"{k.split('_')[0]}/ours={A.fmt_ratio(v)}x" for k, v in r["ratios"].items() if v)
             mm = {k: v["mismatches"] for k, v in r["systems"].items() if k != "hf"}
             total_bad += mm.get("ours", 0)
             print(f"  {name:<12} {int(size):>9,}  ours p50 {r['systems']['ours']['p50_ms']:8.2f} ms  {rs}  "
