@@ -1,7 +1,8 @@
 """Serving fixtures: real servers on loopback (free ports), HF references computed here.
 
-The ``serving`` marker tags tests that start a tritonserver; they skip when ``nvidia-pytriton`` or
-``tritonclient`` is not installed (``pip install -e '.[serve]'``).
+The ``serving`` marker tags tests that start a tritonserver. A missing ``nvidia-pytriton`` or
+``tritonclient`` *fails* them with the install command (``pip install -e '.[serve]'``): a skipped serving
+test must never read as a passing one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def tokenizer_file(name: str) -> Path:
     """``bundled`` -> the package's GPT-2 file; else ``../shared/tokenizers/<name>/tokenizer.json``."""
     p = BUNDLED if name == "bundled" else SHARED / "tokenizers" / name / "tokenizer.json"
     if not p.is_file():
-        pytest.skip(f"{p} missing (tests need ../shared beside the repo, or TOKTIER_SHARED)")
+        pytest.fail(f"{p} missing (tests need ../shared beside the repo, or TOKTIER_SHARED)")
     return p
 
 
@@ -38,15 +39,25 @@ def hf_ids(name: str, text: str, add_special_tokens: bool = True) -> list[int]:
     return _reference(str(tokenizer_file(name))).encode(text, add_special_tokens=add_special_tokens).ids
 
 
+def require(module: str) -> None:
+    """Import ``module`` or fail the test with the install command (never skip)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(f"{module} is not installed ({e}): pip install -e '.[serve]'")
+
+
 def _need_serving_deps() -> None:
-    pytest.importorskip("tritonclient.grpc")
-    pytest.importorskip("tritonclient.http")
+    require("tritonclient.grpc")
+    require("tritonclient.http")
     try:
         from toktier_backend.serving.server import find_triton_dist
 
         find_triton_dist()
     except FileNotFoundError as e:
-        pytest.skip(str(e))
+        pytest.fail(str(e))
 
 
 def _start(server, tmp_path_factory):
@@ -92,7 +103,7 @@ def native_family(request, tmp_path_factory):
 def pytriton_face(tmp_path_factory):
     """The same handler through PyTriton, on loopback, with the shared gpt2 file."""
     _need_serving_deps()
-    pytest.importorskip("pytriton")
+    require("pytriton")
     from toktier_backend.serving.server import PyTritonServer
 
     log = tmp_path_factory.mktemp("pytriton") / "tritonserver.log"
