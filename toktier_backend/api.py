@@ -326,7 +326,13 @@ class Session:
         c, keep, widenings = found
         tail = new_tail_from(c)
         body, engine = tok.encode_body(tail)
+        base = self._buf.body_nbytes_before(keep)
         self._buf.splice(keep, body, tok.spec.token_nbytes)
+        if self._buf.body_nbytes != base + tok.spec.normalized_nbytes(tail):
+            # The offsets no longer describe the text: never answer from them. Rebuild from the reference.
+            log.error("offset check failed after a repair (family %s, cut %d): rebuilding with the reference",
+                      tok.cuts.name, c)
+            return self._full(d, full_text(), commit, widenings=widenings, reference=True)
         commit()
         self.last_repair = RepairInfo(
             route="append" if d == old_len else "edit", departure=d, cut=c, widenings=widenings,
@@ -365,10 +371,10 @@ class Session:
             hi = lo - 1
         return None
 
-    def _full(self, d: int, text: str, commit, widenings: int) -> np.ndarray:
+    def _full(self, d: int, text: str, commit, widenings: int, reference: bool = False) -> np.ndarray:
         tok = self.tokenizer
         old = self._buf.ids().copy() if self.requests > 1 else None
-        body, engine = tok.encode_body(text)
+        body, engine = (tok._hf.encode(text), "hf") if reference else tok.encode_body(text)
         self._buf.splice(0, body, tok.spec.token_nbytes if tok.spec.token_nbytes is not None else _ZEROS_FOR(body))
         commit()
         ids = self._buf.ids()

@@ -97,17 +97,29 @@ class TokenizerSpec:
     token_nbytes: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
     _normalizer_touches_ascii: bool = True
+    _normalizer_is_per_char: bool = False
+    _added_re: "re.Pattern | None" = None
 
     # ------------------------------------------------------------------ normalized lengths
     def normalized_nbytes(self, text: str) -> int:
-        """UTF-8 bytes of ``text`` after the file's normalizer (bytes, not chars).
+        """UTF-8 bytes of ``text`` as the model sees it: each segment between added tokens normalized on
+        its own, added tokens as they are (HF ``AddedVocabulary::extract_and_normalize``). Bytes, not chars.
 
-        Equals ``token_nbytes[encode(text)].sum()`` for every text (checked on the canary at load).
+        Equals ``token_nbytes[encode(text)].sum()`` for every text (proven on the canary at load, and
+        re-checked on every repair). Segment-wise matters for composing normalizers: under NFC,
+        ``"<|im_end|>" + U+0338`` stays two segments, while NFC of the whole string would compose
+        ``">" + U+0338`` into ``"≯"``.
         """
         norm = self.reference.normalizer
         if norm is None or (not self._normalizer_touches_ascii and text.isascii()):
             return len(text.encode("utf-8"))
-        return len(norm.normalize_str(text).encode("utf-8"))
+        if self._added_re is None or self._normalizer_is_per_char:
+            return len(norm.normalize_str(text).encode("utf-8"))
+        total, pos = 0, 0
+        for m in self._added_re.finditer(text):
+            total += len(norm.normalize_str(text[pos : m.start()]).encode("utf-8")) + len(m.group().encode("utf-8"))
+            pos = m.end()
+        return total + len(norm.normalize_str(text[pos:]).encode("utf-8"))
 
     @property
     def has_truncation_or_padding(self) -> bool:
@@ -155,9 +167,22 @@ def load_spec(path: str | os.PathLike) -> TokenizerSpec:
     leaves = _walk(config.get("pre_tokenizer")) + _walk(config.get("decoder"))
     spec.byte_level = any(leaf.get("type") == "ByteLevel" for leaf in leaves)
     spec._normalizer_touches_ascii = _normalizer_touches_ascii(config.get("normalizer"))
+    spec._normalizer_is_per_char = _normalizer_is_per_char(config.get("normalizer"))
+    contents = sorted({a.content for a in added if a.content}, key=len, reverse=True)
+    if contents:  # leftmost, longest first: Python's alternation tries in order
+        spec._added_re = re.compile("|".join(map(re.escape, contents)))
     _derive_post_processor(spec)
     _derive_token_nbytes(spec)
     return spec
+
+
+def _normalizer_is_per_char(norm) -> bool:
+    """True when the normalizer maps each char on its own (``Replace`` of one char by a string), so
+    normalizing across an added-token boundary equals normalizing each segment."""
+    leaves = _walk(norm)
+    return bool(leaves) and all(
+        leaf.get("type") == "Replace" and len((leaf.get("pattern") or {}).get("String") or "") == 1 for leaf in leaves
+    )
 
 
 def _normalizer_touches_ascii(norm) -> bool:

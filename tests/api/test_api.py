@@ -84,6 +84,19 @@ def test_repair_info_fields():
     assert s.last_repair.route == "noop"
 
 
+def test_nfc_never_composes_across_an_added_token():
+    # Under NFC, ">" + U+0338 composes to "≯", but HF normalizes the segments between added tokens on their
+    # own: "<|im_end|>" keeps its ">" and U+0338 starts the next segment. Offsets must agree with that.
+    tok, ref = load("qwen3"), reference("qwen3")
+    for base, delta in [("hi <|im_end|>", "\u0338 x y"), ("a <|im_start|>user\n", "e\u0301 b"),
+                        ("x <|im_end|>\u0338 y\nz ", "more words")]:
+        s = tok.session()
+        s.update(base)
+        assert s.append(delta).tolist() == ref.encode(base + delta).ids
+        assert s.append(" and then some").tolist() == ref.encode(base + delta + " and then some").ids
+        assert s.last_repair.route == "append"
+
+
 def test_no_cut_widens_then_full_encode():
     tok, ref = load("gpt2"), reference("gpt2")
     s = tok.session()

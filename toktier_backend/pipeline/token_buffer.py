@@ -36,6 +36,10 @@ class TokenBuffer:
         """Normalized UTF-8 bytes covered by the body tokens."""
         return int(self._ends[self._n - 1]) if self._n else 0
 
+    def body_nbytes_before(self, keep: int) -> int:
+        """Normalized UTF-8 bytes covered by the first ``keep`` body tokens."""
+        return int(self._ends[keep - 1]) if keep else 0
+
     @property
     def nbytes(self) -> int:
         return self._ids.nbytes + self._ends.nbytes
