@@ -147,7 +147,15 @@ class CutFinder:
         return out
 
     def _first_cut(self, text: str, lo: int, hi: int, end: int) -> int | None:
-        for c in sorted(set(self._candidates(text, lo, hi))):
-            if self.is_stable_cut(text, c, end):
-                return c
+        """The smallest stable cut in ``[lo, hi]``, scanning forward in growing slices."""
+        hi = min(hi, end - 1)
+        span = 128
+        bottom = max(lo, 1)
+        while bottom <= hi:
+            top = min(hi, bottom + span - 1)
+            for c in sorted(set(self._candidates(text, bottom, top))):
+                if self.is_stable_cut(text, c, end):
+                    return c
+            bottom = top + 1
+            span *= 4
         return None
