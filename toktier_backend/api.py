@@ -34,7 +34,7 @@ import numpy as np
 from .admission import Admission, admit, check_offsets, reference_only
 from .engines.hf import HFEngine
 from .engines.registry import FAST_ENGINE_ORDER, create
-from .errors import EngineUnavailable, InvalidRequest, ToktierError
+from .errors import EngineUnavailable, InvalidRequest, ToktierError, UnsupportedTokenizer
 from .pipeline.cuts import CutFinder
 from .pipeline.text_store import TextStore
 from .pipeline.token_buffer import TokenBuffer
@@ -47,6 +47,8 @@ MAX_CHARS = 64 * 1024 * 1024
 #: First repair window (chars before the departure point) and how often it is doubled.
 WINDOW = 1024
 WIDENINGS = 5
+#: Routes served by the fast path; each can be quarantined per tokenizer (see ``Tokenizer.quarantine``).
+FAST_ROUTES = ("full", "append", "edit")
 
 
 def default_tokenizer_path() -> Path:
@@ -98,6 +100,10 @@ class RepairInfo:
         reused: ids of the previous reply that are still valid (Triton's ``KEEP``).
         reencoded: ids produced by this request's encode.
         engine: ``"gigatoken"``, ``"fastokens"`` or ``"hf"``.
+        fallback: why the reference (or a full encode) served what the fast path would have: ``""`` (it
+            did not), ``"guarded"`` (guarded code point), ``"engine_error"``, ``"quarantined"`` (route
+            quarantined, or the session rebuilt after a quarantine), ``"no_cut"`` (no stable cut in the
+            widest window), ``"offset_check"`` (offsets disagreed after a repair).
     """
 
     route: str = "full"
@@ -107,6 +113,7 @@ class RepairInfo:
     reused: int = 0
     reencoded: int = 0
     engine: str = "hf"
+    fallback: str = ""
 
 
 class Tokenizer:
@@ -128,6 +135,11 @@ class Tokenizer:
         check_offsets(spec)
         self.cuts = CutFinder(spec)
         self.engine, self.admission = self._choose_engine(engine)
+        #: Quarantined fast routes (``FAST_ROUTES`` names -> reason): requests that would take one are served
+        #: by the reference on the whole text. Set by the shadow verifier, cleared by an operator.
+        self.quarantined: dict[str, str] = {}
+        #: Bumped by every new quarantine: sessions built before it rebuild once from the reference.
+        self.quarantine_epoch = 0
 
     # ------------------------------------------------------------------ construction
     def _choose_engine(self, wanted: str):
@@ -171,19 +183,55 @@ class Tokenizer:
             "notes": self.spec.notes,
         }
 
+    # ------------------------------------------------------------------ quarantine
+    def quarantine(self, route: str, reason: str) -> bool:
+        """Stop serving ``route`` (one of :data:`FAST_ROUTES`) from the fast path: the reference serves
+        the whole text instead, and every live session rebuilds once from the reference on its next call.
+
+        Returns:
+            True if ``route`` was not quarantined before.
+
+        Raises:
+            ValueError: ``route`` is not a fast route.
+        """
+        if route not in FAST_ROUTES:
+            raise ValueError(f"route {route!r} cannot be quarantined; fast routes: {list(FAST_ROUTES)}")
+        new = route not in self.quarantined
+        self.quarantined[route] = reason
+        if new:
+            self.quarantine_epoch += 1
+            log.error("route %r quarantined for %s (sha256 %s): %s", route, self.spec.path, self.spec.sha256[:16], reason)
+        return new
+
+    def release(self, route: str | None = None) -> list[str]:
+        """Clear the quarantine of ``route`` (``None``: all). Returns the routes released."""
+        routes = list(self.quarantined) if route is None else [r for r in (route,) if r in self.quarantined]
+        for r in routes:
+            del self.quarantined[r]
+            log.warning("route %r released from quarantine for %s", r, self.spec.path)
+        return routes
+
+    def _fallback_reason(self, text: str, route: str) -> str:
+        """Why ``encode_body(text, route=route)`` answered with the reference (only asked when it did)."""
+        if self.engine is self._hf:
+            return ""
+        if route in self.quarantined:
+            return "quarantined"
+        return "guarded" if self.admission.has_guarded(text) else "engine_error"
+
     # ------------------------------------------------------------------ encoding
     def _reference_only(self, add_special_tokens: bool) -> bool:
         """Requests the fast path cannot serve exactly: non-constant post-processor or truncation/padding."""
         return self.spec.has_truncation_or_padding or (add_special_tokens and self.spec.prefix_ids is None)
 
-    def encode_body(self, text: str) -> tuple[np.ndarray, str]:
+    def encode_body(self, text: str, *, route: str = "full") -> tuple[np.ndarray, str]:
         """Body ids (no post-processor) and the engine that produced them.
 
-        The admitted engine serves texts without guarded code points; everything else, and any engine
-        error, goes to the reference.
+        The admitted engine serves texts without guarded code points on routes that are not quarantined;
+        everything else, and any engine error, goes to the reference.
         """
         eng = self.engine
-        if eng is not self._hf and not self.admission.has_guarded(text):
+        if eng is not self._hf and route not in self.quarantined and not self.admission.has_guarded(text):
             try:
                 return eng.encode(text), eng.name
             except Exception as e:  # never answer approximately: the reference takes it
@@ -238,6 +286,7 @@ class Session:
         self._ref_ids: np.ndarray | None = None  # whole reply, for reference-only sessions
         self.last_repair = RepairInfo()
         self.requests = 0
+        self._epoch = tokenizer.quarantine_epoch  # ids built under this quarantine state
         if self._reference_only:
             self._ref_ids = tokenizer.encode("", add_special_tokens=add_special_tokens)
         else:
@@ -280,7 +329,7 @@ class Session:
         _validate(text, tok.max_chars)
         old_len = len(self._store)
         d = self._store.common_prefix(text) if old_len else 0
-        if d == old_len == len(text) and self.requests:
+        if d == old_len == len(text) and self.requests and not self._stale:
             return self._noop(d)
         return self._apply(d, new_tail_from=lambda c: text[c:], new_len=len(text),
                            commit=lambda: self._store.replace(text), full_text=lambda: text)
@@ -295,13 +344,18 @@ class Session:
         old_len = len(self._store)
         if old_len + len(delta) > tok.max_chars:
             raise InvalidRequest(f"session text would reach {old_len + len(delta)} chars, over the limit of {tok.max_chars}")
-        if not delta and self.requests:
+        if not delta and self.requests and not self._stale:
             return self._noop(old_len)
         return self._apply(old_len, new_tail_from=lambda c: self._store.tail(c) + delta,
                            new_len=old_len + len(delta), commit=lambda: self._store.append(delta),
                            full_text=lambda: self._store.text + delta)
 
     # ------------------------------------------------------------------ the repair
+    @property
+    def _stale(self) -> bool:
+        """A route was quarantined since these ids were built: they may hold its wrong output."""
+        return self._ref_ids is None and self._epoch != self.tokenizer.quarantine_epoch
+
     def _noop(self, d: int) -> np.ndarray:
         self.requests += 1
         n = len(self.ids)
@@ -320,23 +374,30 @@ class Session:
             self.last_repair = RepairInfo(route="reference", departure=d, reused=reused, reencoded=len(ids))
             return ids
         old_len = len(self._store)
+        route = "append" if d == old_len else "edit"
+        if self._stale or route in tok.quarantined:  # whole text through the reference
+            return self._full(d, full_text(), commit, widenings=0, reference=True, fallback="quarantined")
         found = self._find_cut(d) if d > 0 and new_len > 0 else None
         if found is None:
-            return self._full(d, full_text(), commit, widenings=WIDENINGS + 1 if d > 0 else 0)
+            return self._full(d, full_text(), commit, widenings=WIDENINGS + 1 if d > 0 else 0,
+                              fallback="no_cut" if d > 0 and new_len > 0 and tok.cuts.supported else "")
         c, keep, widenings = found
         tail = new_tail_from(c)
-        body, engine = tok.encode_body(tail)
+        body, engine = tok.encode_body(tail, route=route)
         base = self._buf.body_nbytes_before(keep)
         self._buf.splice(keep, body, tok.spec.token_nbytes)
         if self._buf.body_nbytes != base + tok.spec.normalized_nbytes(tail):
             # The offsets no longer describe the text: never answer from them. Rebuild from the reference.
             log.error("offset check failed after a repair (family %s, cut %d): rebuilding with the reference",
                       tok.cuts.name, c)
-            return self._full(d, full_text(), commit, widenings=widenings, reference=True)
+            # only the kept ids of the previous reply are still in the buffer: KEEP may not go past them
+            return self._full(d, full_text(), commit, widenings=widenings, reference=True, fallback="offset_check",
+                              old_valid=self._buf.n_prefix + keep)
         commit()
         self.last_repair = RepairInfo(
-            route="append" if d == old_len else "edit", departure=d, cut=c, widenings=widenings,
+            route=route, departure=d, cut=c, widenings=widenings,
             reused=self._buf.n_prefix + keep, reencoded=len(body), engine=engine,
+            fallback=tok._fallback_reason(tail, route) if engine == "hf" else "",
         )
         return self._buf.ids()
 
@@ -371,16 +432,20 @@ class Session:
             hi = lo - 1
         return None
 
-    def _full(self, d: int, text: str, commit, widenings: int, reference: bool = False) -> np.ndarray:
+    def _full(self, d: int, text: str, commit, widenings: int, reference: bool = False, fallback: str = "",
+              old_valid: int | None = None) -> np.ndarray:
         tok = self.tokenizer
-        old = self._buf.ids().copy() if self.requests > 1 else None
+        old = self._buf.ids()[:old_valid].copy() if self.requests > 1 else None
         body, engine = (tok._hf.encode(text), "hf") if reference else tok.encode_body(text)
+        if engine == "hf" and not fallback:
+            fallback = tok._fallback_reason(text, "full")
+        self._epoch = tok.quarantine_epoch  # whole text re-encoded under the current quarantine state
         self._buf.splice(0, body, tok.spec.token_nbytes if tok.spec.token_nbytes is not None else _ZEROS_FOR(body))
         commit()
         ids = self._buf.ids()
         reused = _common_prefix_len(old, ids) if old is not None else 0
         self.last_repair = RepairInfo(route="full", departure=d, cut=0, widenings=widenings,
-                                      reused=reused, reencoded=len(body), engine=engine)
+                                      reused=reused, reencoded=len(body), engine=engine, fallback=fallback)
         return ids
 
 
@@ -397,21 +462,45 @@ def _common_prefix_len(a: np.ndarray | None, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def load_tokenizer(spec: str | os.PathLike | None = None, *, engine: str = "auto", max_chars: int = MAX_CHARS) -> Tokenizer:
+def load_tokenizer(
+    spec: str | os.PathLike | None = None, *, engine: str = "auto", max_chars: int = MAX_CHARS,
+    sha256: str | None = None,
+) -> Tokenizer:
     """Load a tokenizer.
+
+    Only JSON is read (no pickle, no remote code): the file is parsed by ``json`` and HF ``tokenizers``.
 
     Args:
         spec: path to a ``tokenizer.json``, a folder holding one, or a Hugging Face Hub id (needs a
             network); ``None`` loads the bundled GPT-2 file.
         engine: ``"auto"``, ``"gigatoken"``, ``"fastokens"`` or ``"hf"``.
         max_chars: request size limit (chars).
+        sha256: hex digest the file's bytes must have (a pin); ``None`` accepts any file.
 
     Raises:
-        UnsupportedTokenizer: file missing, malformed or refused by HF ``tokenizers``.
+        UnsupportedTokenizer: file missing, malformed, refused by HF ``tokenizers``, or its sha256 is not
+            the pinned one.
         EngineUnavailable: a named engine is missing or not admitted for this file.
     """
     path = resolve_path(default_tokenizer_path() if spec is None else spec)
-    return Tokenizer(load_spec(path), engine=engine, max_chars=max_chars)
+    if sha256:
+        _check_sha256(path, Path(path).read_bytes(), sha256)
+    loaded = load_spec(path)
+    if sha256:
+        _check_sha256(path, None, sha256, got=loaded.sha256)  # the bytes parsed are the bytes checked
+    return Tokenizer(loaded, engine=engine, max_chars=max_chars)
+
+
+def _check_sha256(path, raw: bytes | None, want: str, *, got: str | None = None) -> None:
+    import hashlib
+
+    want = want.strip().lower()
+    got = got if got is not None else hashlib.sha256(raw).hexdigest()
+    if got != want:
+        raise UnsupportedTokenizer(
+            f"{path}: sha256 {got} is not the pinned {want!r}; the file changed or is not the one configured. "
+            "Serve the pinned file, or update the pin (model parameter tokenizer_sha256 / --tokenizer-sha256)."
+        )
 
 
 __all__ = ["RepairInfo", "Session", "Tokenizer", "ToktierError", "Admission", "decode_text",
