@@ -3,18 +3,32 @@
 Layout of ``ids``: ``[prefix ids][body ids][suffix ids]`` — the post-processor's constant ids around the
 body (Llama 3: ``prefix = [<|begin_of_text|>]``). ``ends[i]`` is the end of body token ``i`` in bytes of
 *normalized* UTF-8 text (so ``ends[-1]`` is the normalized byte length of the whole body).
-Memory: 8 bytes per token (4 for the id, 4 for the end) plus the unused capacity.
+Memory: 8 bytes per token (4 for the id, 4 for the end) plus bounded headroom: a buffer grows to
+``need + headroom(need)`` with ``headroom(n) = min(n // 16, GROW_MAX) + 16`` slots (not by doubling), and is
+shrunk when its slack passes ``2 * headroom``. So ids + ends take at most ``8 n + 2 * 8 * headroom(n)``
+bytes: <= 9 bytes per token, and <= 8 bytes per token + 64.25 KiB at any size. Growth copies the kept
+ids once per ``headroom`` new tokens (amortized O(16) per token up to 64K tokens, O(n / 4096) above).
 """
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+
+#: Most slots a buffer grows by at once (bounds the unused capacity per session: 8 bytes per slot).
+GROW_MAX = 4096
+
+
+def headroom(n: int) -> int:
+    """Spare slots given to a buffer grown (or shrunk) to hold ``n`` tokens."""
+    return min(n >> 4, GROW_MAX) + 16
 
 
 class TokenBuffer:
     __slots__ = ("_ids", "_ends", "_n", "_prefix", "_suffix")
 
-    def __init__(self, prefix: np.ndarray, suffix: np.ndarray, capacity: int = 1024):
+    def __init__(self, prefix: np.ndarray, suffix: np.ndarray, capacity: int = 16):
         self._prefix = prefix
         self._suffix = suffix
         cap = max(capacity, len(prefix) + len(suffix) + 1)
@@ -42,7 +56,13 @@ class TokenBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self._ids.nbytes + self._ends.nbytes
+        """Bytes held by the two arrays (data and array objects; capacity, not just the used part)."""
+        return sys.getsizeof(self._ids) + sys.getsizeof(self._ends)
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated (ids and ends alike)."""
+        return len(self._ids)
 
     def ids(self) -> np.ndarray:
         """``np.ndarray[int32] (n_prefix + n_body + n_suffix,)``, a read-only view valid until the next
@@ -66,8 +86,9 @@ class TokenBuffer:
         """Keep the first ``keep`` body tokens, append ``new_ids`` (``np.ndarray[int32]``) after them."""
         p, s = len(self._prefix), len(self._suffix)
         need = p + keep + len(new_ids) + s
-        if need > len(self._ids):
-            cap = max(need, 2 * len(self._ids))
+        have = len(self._ids)
+        if need > have or have - need > 2 * headroom(need):  # grow, or give back a truncation's slack
+            cap = need + headroom(need)
             ids = np.empty(cap, dtype=np.int32)
             ends = np.empty(cap, dtype=np.int32)
             ids[: p + keep] = self._ids[: p + keep]
