@@ -35,7 +35,9 @@ from .admission import Admission, admit, check_offsets, reference_only
 from .engines.hf import HFEngine
 from .engines.registry import FAST_ENGINE_ORDER, create
 from .errors import EngineUnavailable, InvalidRequest, ToktierError, UnsupportedTokenizer
+from .parallel import ChunkedEncoder
 from .pipeline.cuts import CutFinder
+from .pipeline.prefix_index import PrefixIndex
 from .pipeline.text_store import TextStore
 from .pipeline.token_buffer import TokenBuffer
 from .spec import TokenizerSpec, load_spec, resolve_path
@@ -99,7 +101,8 @@ class RepairInfo:
         widenings: how many times the search window was doubled (``WIDENINGS + 1`` = none found).
         reused: ids of the previous reply that are still valid (Triton's ``KEEP``).
         reencoded: ids produced by this request's encode.
-        engine: ``"gigatoken"``, ``"fastokens"`` or ``"hf"``.
+        engine: ``"gigatoken"``, ``"fastokens"`` or ``"hf"``; ``"gigatoken+hf"`` when a chunked encode
+            (``parallel.py``) sent some chunks to the reference.
         fallback: why the reference (or a full encode) served what the fast path would have: ``""`` (it
             did not), ``"guarded"`` (guarded code point), ``"engine_error"``, ``"quarantined"`` (route
             quarantined, or the session rebuilt after a quarantine), ``"no_cut"`` (no stable cut in the
@@ -135,11 +138,18 @@ class Tokenizer:
         check_offsets(spec)
         self.cuts = CutFinder(spec)
         self.engine, self.admission = self._choose_engine(engine)
+        #: shared prefixes of fresh requests, reused by content (``None`` when no cut can be proven)
+        self.prefix_index = (
+            PrefixIndex(self.cuts, spec.token_nbytes, spec.normalized_nbytes)
+            if self.cuts.supported and spec.token_nbytes is not None else None
+        )
         #: Quarantined fast routes (``FAST_ROUTES`` names -> reason): requests that would take one are served
         #: by the reference on the whole text. Set by the shadow verifier, cleared by an operator.
         self.quarantined: dict[str, str] = {}
         #: Bumped by every new quarantine: sessions built before it rebuild once from the reference.
         self.quarantine_epoch = 0
+        #: Long texts: chunked at stable cuts, chunks encoded in parallel on the shared pool (``parallel.py``).
+        self.chunked = ChunkedEncoder(self)
 
     # ------------------------------------------------------------------ construction
     def _choose_engine(self, wanted: str):
@@ -230,6 +240,8 @@ class Tokenizer:
         The admitted engine serves texts without guarded code points on routes that are not quarantined;
         everything else, and any engine error, goes to the reference.
         """
+        if route not in self.quarantined and self.chunked.wants(text):  # guard set checked per chunk
+            return self.chunked.encode_body(text)
         eng = self.engine
         if eng is not self._hf and route not in self.quarantined and not self.admission.has_guarded(text):
             try:
@@ -237,6 +249,26 @@ class Tokenizer:
             except Exception as e:  # never answer approximately: the reference takes it
                 log.warning("engine %s failed (%s); reference used", eng.name, e)
         return self._hf.encode(text), "hf"
+
+    def encode_fresh(self, text: str) -> tuple[np.ndarray, str]:
+        """Body ids of a whole text that has no session state (first turn, rebuild, stateless call).
+
+        The deepest indexed prefix of ``text`` (confirmed char by char) is reused and only the rest is
+        encoded; then the text's own chunks are indexed for later requests. Texts shorter than two
+        index steps skip the index.
+        """
+        idx = self.prefix_index
+        if idx is None or len(text) < 2 * idx.step:
+            return self.encode_body(text)
+        hit = idx.lookup(text)
+        if hit is None:
+            body, engine = self.encode_body(text)
+        else:
+            tail, engine = self.encode_body(text[hit.cut :])
+            body = np.concatenate([hit.ids, tail])
+            engine += "+prefix"
+        idx.insert(text, body, after=hit)
+        return body, engine
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
         """Ids of ``text``.
@@ -254,7 +286,7 @@ class Tokenizer:
         _validate(text, self.max_chars)
         if self._reference_only(add_special_tokens):
             return np.asarray(self.reference.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
-        body, _ = self.encode_body(text)
+        body, _ = self.encode_fresh(text)
         if not add_special_tokens or (len(self.spec.prefix_ids) == 0 and len(self.spec.suffix_ids) == 0):
             return body
         return np.concatenate([self.spec.prefix_ids, body, self.spec.suffix_ids])
@@ -436,7 +468,7 @@ class Session:
               old_valid: int | None = None) -> np.ndarray:
         tok = self.tokenizer
         old = self._buf.ids()[:old_valid].copy() if self.requests > 1 else None
-        body, engine = (tok._hf.encode(text), "hf") if reference else tok.encode_body(text)
+        body, engine = (tok._hf.encode(text), "hf") if reference else tok.encode_fresh(text)
         if engine == "hf" and not fallback:
             fallback = tok._fallback_reason(text, "full")
         self._epoch = tok.quarantine_epoch  # whole text re-encoded under the current quarantine state

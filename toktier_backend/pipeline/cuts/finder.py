@@ -84,6 +84,10 @@ class CutFinder:
         self.seams = AddedTokenSeams([a.content for a in spec.added])
         starts = "".join(re.escape(ch) for ch in self.seams.first_chars)
         self._start_re = re.compile(f"(?=[{starts}])") if starts else None
+        # One zero-width pattern for every candidate seam (family rule or added-token start), so the
+        # forward scan takes candidates one C-level search at a time.
+        parts = [p.pattern for p in (self.family.SEAM if self.family else None, self._start_re) if p is not None]
+        self._any_re = re.compile("|".join(f"(?:{p})" for p in parts)) if parts else None
         #: chars of left context the predicates read before a cut.
         self.left_context = max(2, self.seams.max_len)
 
@@ -132,13 +136,13 @@ class CutFinder:
         return None
 
     def cuts(self, text: str, step: int) -> list[int]:
-        """Stable cuts of a whole text, roughly every ``step`` chars (the first stable cut at or after
-        each multiple of ``step``): used to split a long text into independently encodable chunks."""
+        """Stable cuts of a whole text, about ``step`` chars apart: the first stable cut at or after
+        each previous cut plus ``step``. Used to split a long text into independently encodable chunks."""
         out: list[int] = []
         n = len(text)
         pos = step
         while self.supported and pos < n:
-            c = self._first_cut(text, pos, min(n - 1, pos + step - 1), n)
+            c = self.first_cut(text, pos, min(n - 1, pos + step - 1), n)
             if c is None:
                 pos += step
                 continue
@@ -146,16 +150,40 @@ class CutFinder:
             pos = c + step
         return out
 
-    def _first_cut(self, text: str, lo: int, hi: int, end: int) -> int | None:
-        """The smallest stable cut in ``[lo, hi]``, scanning forward in growing slices."""
+    def grid_cuts(self, text: str, step: int, lo_index: int = 1, hi_index: int | None = None) -> list[int]:
+        """The first stable cut in each grid window ``[i*step, (i+1)*step)`` (none when the window has
+        none), for ``lo_index <= i <= hi_index``, deduplicated, ascending.
+
+        Cut ``i`` depends only on ``text[: (i+1)*step]``, so any two texts that share a prefix share its
+        grid cuts: the prefix index keys on them, and can compute cut ``i`` without scanning from 0.
+        """
+        n = len(text)
+        hi_index = (n - 1) // step if hi_index is None else hi_index
+        out: list[int] = []
+        for i in range(max(1, lo_index), hi_index + 1):
+            c = self.grid_cut(text, i, step)
+            if c is not None and (not out or c != out[-1]):
+                out.append(c)
+        return out
+
+    def grid_cut(self, text: str, i: int, step: int) -> int | None:
+        """First stable cut in ``[i*step, min((i+1)*step, len(text)) - 1]``, reading ``text[: (i+1)*step]``."""
+        end = min(len(text), (i + 1) * step)
+        return self.first_cut(text, i * step, end - 1, end)
+
+    def first_cut(self, text: str, lo: int, hi: int, end: int) -> int | None:
+        """The smallest stable cut in ``[lo, hi]`` (``c < end``)."""
+        if not self.supported or self._any_re is None:
+            return None
         hi = min(hi, end - 1)
-        span = 128
-        bottom = max(lo, 1)
-        while bottom <= hi:
-            top = min(hi, bottom + span - 1)
-            for c in sorted(set(self._candidates(text, bottom, top))):
-                if self.is_stable_cut(text, c, end):
-                    return c
-            bottom = top + 1
-            span *= 4
+        pos = max(lo, 1)
+        search = self._any_re.search
+        while pos <= hi:
+            m = search(text, pos, hi + 1)
+            if m is None:
+                return None
+            c = m.start()
+            if self.is_stable_cut(text, c, end):
+                return c
+            pos = c + 1
         return None

@@ -1,0 +1,80 @@
+"""Cross-session prefix reuse: every reply equals the HF reference, and reuse actually happens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toktier_backend.pipeline.prefix_index import PrefixIndex
+
+from ..conftest import load, reference
+
+
+def fresh_index(tok, step=512, budget=64 << 20, digest=None):
+    kw = {"digest": digest} if digest else {}
+    tok.prefix_index = PrefixIndex(tok.cuts, tok.spec.token_nbytes, tok.spec.normalized_nbytes,
+                                   step=step, budget_bytes=budget, **kw)
+    return tok.prefix_index
+
+
+def check(tok, ref, text, flag=False):
+    got = tok.encode(text, add_special_tokens=flag)
+    assert got.tolist() == ref.encode(text, add_special_tokens=flag).ids
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3", "llama3_1", "deepseek_v3", "gemma3", "o200k_base"])
+def test_shared_system_prompt_across_sessions(name, corpus_texts):
+    tok, ref = load(name), reference(name)
+    idx = fresh_index(tok)
+    system = corpus_texts[0][:6000]  # a long shared system prompt + tool definitions
+    for i, other in enumerate(corpus_texts[1:9]):
+        text = system + other[: 1500 + 300 * i]
+        check(tok, ref, text, flag=bool(i % 2))
+        s = tok.session()
+        assert np.array_equal(s.update(text + " more"), ref.encode(text + " more").ids)
+    assert idx.hits >= 7 and idx.chars_reused >= 7 * 5000, idx.stats()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3", "gemma3"])
+def test_prefix_shared_up_to_one_char_around_a_cut(name, corpus_texts):
+    tok, ref = load(name), reference(name)
+    idx = fresh_index(tok)
+    base = corpus_texts[2][:8000]
+    check(tok, ref, base)
+    cuts = tok.cuts.grid_cuts(base, idx.step)
+    assert cuts, "no grid cut to test around"
+    for c in cuts[1:6]:
+        for d in (-2, -1, 0, 1, 2):
+            for insert in ("X", " ", "\n", "<|endoftext|>", "1"):
+                check(tok, ref, base[: c + d] + insert + base[c + d :])
+    assert idx.hits > 0
+
+
+def test_forced_digest_collisions_are_caught():
+    tok, ref = load("qwen3"), reference("qwen3")
+    idx = fresh_index(tok, digest=lambda parent, chunk: b"same")  # every prefix collides
+    a = "alpha beta gamma\n" * 400
+    b = "delta epsilon zeta\n" * 400
+    for text in (a, b, a + "tail", b + "tail"):
+        check(tok, ref, text)
+    assert idx.collisions > 0
+
+
+def test_forced_fingerprint_collision_is_caught():
+    tok, ref = load("gpt2"), reference("gpt2")
+    idx = fresh_index(tok)
+    base = "".join(f"line {i} of the shared prompt\n" for i in range(300))
+    check(tok, ref, base)
+    # same length, same text right before every cut, different text earlier: fingerprints match, content not
+    forged = "LINE" + base[4:]
+    check(tok, ref, forged)
+    assert idx.collisions > 0
+
+
+def test_eviction_under_a_small_budget(corpus_texts):
+    tok, ref = load("llama3_1"), reference("llama3_1")
+    idx = fresh_index(tok, budget=40_000)
+    for t in corpus_texts[:6]:
+        check(tok, ref, t[:9000])
+        check(tok, ref, t[:9000] + " again")
+    assert idx.evictions > 0 and idx.nbytes <= 40_000

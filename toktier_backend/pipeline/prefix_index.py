@@ -1,0 +1,206 @@
+"""Cross-session prefix reuse by content: long shared prefixes (system prompts, tool definitions, an
+earlier version of the same document) are tokenized once.
+
+**Cuts.** A text is cut on a grid: cut ``i`` is the first stable cut in ``[i*step, (i+1)*step)``
+(``CutFinder.grid_cut``). It depends only on the text before ``(i+1)*step``, so two texts sharing a prefix
+share its cuts, and cut ``i`` of a new text is computed directly, without scanning from the start.
+
+**Nodes.** Each chunk between consecutive cuts is a node of a hash-trie, content-addressed by a chained
+BLAKE2b digest of the whole prefix up to its cut::
+
+    key_i = blake2b(key_{i-1} || utf8(text[c_{i-1}:c_i]))
+
+A node stores its chunk's text and body ids, so a prefix shared by many texts is stored once, and because
+each cut is stable, ``encode(text) == concat(chunk ids along the chain) + encode(text[c:])``.
+
+**Lookup.** From the last grid window of the new text backwards: compute cut ``i``, find a node ending
+there by a cheap fingerprint (the cut and the 32 chars before it), then **confirm** the whole chain against
+the new text (``str.startswith`` at each chunk's offset: a memory comparison). A hit therefore never rests
+on a digest or fingerprint: a collision costs a miss, never a wrong id. Nothing of the reused prefix is
+hashed at lookup, so reuse costs one memory comparison of it.
+
+**Memory.** Nodes are evicted LRU within a byte budget; a lookup touches the chain root first, so leaves
+go before the prefixes they hang from. (Dynamo's tokenizer cache reuses prefixes at special tokens and
+fastokens' segment cache at added-token segments; this reuses them at any stable cut.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Default grid step (chars) and byte budget.
+STEP = 8192
+BUDGET = 256 * 1024 * 1024
+_FP = 32  # chars of fingerprint before a cut
+
+
+def blake2b_chain(parent: bytes, chunk: str) -> bytes:
+    """Chained content digest of a prefix: BLAKE2b-128 over the parent's digest and the chunk's UTF-8."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(chunk.encode("utf-8"))
+    return h.digest()
+
+
+@dataclass(eq=False)
+class _Node:
+    key: bytes
+    parent: "_Node | None"
+    start: int  # chars
+    chunk: str
+    ids: np.ndarray  # body ids of the chunk, int32
+    n_tokens: int  # body ids of the whole prefix up to this node's end
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.chunk)
+
+
+@dataclass
+class PrefixHit:
+    """The deepest confirmed indexed prefix of a text.
+
+    Attributes:
+        cut: chars covered (``text[:cut]``).
+        ids: ``np.ndarray[int32]`` body ids of ``text[:cut]``.
+    """
+
+    cut: int
+    ids: np.ndarray
+    node: _Node
+
+
+class PrefixIndex:
+    """Content-addressed prefix index for one tokenizer.
+
+    Args:
+        finder: the tokenizer's ``CutFinder``.
+        token_nbytes: per-id normalized byte length (``np.ndarray[int32]``), to split ids at cuts.
+        normalized_nbytes: ``str -> int``, normalized UTF-8 bytes of a chunk.
+        step: grid step (chars).
+        budget_bytes: memory for chunk texts + ids + node overhead; LRU eviction beyond it.
+        digest: ``(parent_digest, chunk) -> digest`` (tests inject collisions through it).
+
+    Thread-safe (one lock; lookups and inserts are short).
+    """
+
+    def __init__(self, finder, token_nbytes: np.ndarray, normalized_nbytes, *, step: int = STEP,
+                 budget_bytes: int = BUDGET, digest=blake2b_chain):
+        self.finder = finder
+        self.token_nbytes = token_nbytes
+        self.normalized_nbytes = normalized_nbytes
+        self.step = step
+        self.budget_bytes = budget_bytes
+        self.digest = digest
+        self._nodes: OrderedDict[bytes, _Node] = OrderedDict()
+        self._by_fp: dict[tuple[int, str], _Node] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self.hits = self.misses = self.collisions = self.evictions = 0
+        self.chars_reused = 0
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def stats(self) -> dict:
+        """Counters for metrics: nodes, bytes, hits, misses, collisions, evictions, chars_reused."""
+        return {"nodes": len(self._nodes), "bytes": self.nbytes, "hits": self.hits, "misses": self.misses,
+                "collisions": self.collisions, "evictions": self.evictions, "chars_reused": self.chars_reused}
+
+    @staticmethod
+    def _fp(text: str, c: int) -> tuple[int, str]:
+        return c, text[max(0, c - _FP) : c]
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, text: str) -> PrefixHit | None:
+        """The deepest indexed prefix of ``text`` that equals the text char for char, or ``None``."""
+        n = len(text)
+        with self._lock:
+            for i in range((n - 1) // self.step, 0, -1):
+                c = self.finder.grid_cut(text, i, self.step)
+                if c is None:
+                    continue
+                node = self._by_fp.get(self._fp(text, c))
+                if node is None:
+                    continue
+                chain = _chain(node)
+                if chain[0].start != 0 or not all(text.startswith(x.chunk, x.start) for x in chain):
+                    self.collisions += 1  # fingerprint (or orphaned chain) without the content: keep looking
+                    continue
+                for x in chain:  # root first: ancestors stay more recent than their leaves
+                    self._nodes.move_to_end(x.key)
+                self.hits += 1
+                self.chars_reused += c
+                ids = chain[0].ids if len(chain) == 1 else np.concatenate([x.ids for x in chain])
+                return PrefixHit(cut=c, ids=ids, node=node)
+            self.misses += 1
+            return None
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, text: str, body_ids: np.ndarray, *, after: PrefixHit | None = None) -> int:
+        """Index the grid chunks of ``text``, whose body ids are ``body_ids`` (``np.ndarray[int32]``).
+
+        ``after``: a confirmed hit on ``text``: indexing continues from its cut (the reused prefix is
+        neither re-hashed nor re-scanned). Returns the number of nodes added.
+        """
+        key, start, parent, tok = b"", 0, None, 0
+        if after is not None:
+            key, start, parent, tok = after.node.key, after.cut, after.node, len(after.ids)
+        cuts = [c for c in self.finder.grid_cuts(text, self.step, lo_index=start // self.step) if c > start]
+        tail_ends = np.cumsum(self.token_nbytes[body_ids[tok:]], dtype=np.int64)
+        first = tok  # body ids before `start`
+        nb, added = 0, 0  # normalized bytes from the first `start` to `c`
+        with self._lock:
+            for c in cuts:
+                chunk = text[start:c]
+                nb += self.normalized_nbytes(chunk)
+                end_tok = int(np.searchsorted(tail_ends, np.int64(nb), side="right"))
+                if end_tok == 0 or tail_ends[end_tok - 1] != nb:  # not a token boundary: stop
+                    break
+                k = first + end_tok - tok  # ids in this chunk
+                key = self.digest(key, chunk)
+                node = self._nodes.get(key)
+                if node is not None and (node.start != start or node.chunk != chunk or node.parent is not parent):
+                    self.collisions += 1  # a colliding digest: never chain through someone else's node
+                    break
+                if node is None:
+                    ids = body_ids[tok : tok + k].copy()
+                    node = _Node(key, parent, start, chunk, ids, tok + k, sys.getsizeof(chunk) + ids.nbytes + 300)
+                    self._nodes[key] = node
+                    self._by_fp[self._fp(text, c)] = node
+                    self.nbytes += node.nbytes
+                    added += 1
+                self._nodes.move_to_end(key)
+                parent, start, tok = node, c, tok + k
+            self._evict()
+        return added
+
+    def _evict(self) -> None:
+        while self.nbytes > self.budget_bytes and self._nodes:
+            _, node = self._nodes.popitem(last=False)
+            self.nbytes -= node.nbytes
+            self.evictions += 1
+            fp = (node.end, node.chunk[-_FP:] if len(node.chunk) >= _FP else None)
+            if fp[1] is not None and self._by_fp.get(fp) is node:
+                del self._by_fp[fp]
+            else:  # short chunk: fingerprint reaches into the parent's text; find it by identity
+                for k, v in list(self._by_fp.items()):
+                    if v is node:
+                        del self._by_fp[k]
+                        break
+            node.parent = None  # orphans fail confirmation (chain must start at 0) and age out
+
+
+def _chain(node: _Node) -> list[_Node]:
+    chain = []
+    while node is not None:
+        chain.append(node)
+        node = node.parent
+    chain.reverse()
+    return chain
