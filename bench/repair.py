@@ -219,6 +219,7 @@ def print_size(name: str, size: int, r: dict) -> None:
 
 def plot(results: dict, path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -241,6 +242,9 @@ def plot(results: dict, path: Path) -> None:
                             color=COLORS[key], alpha=0.15)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ticks = [(sizes[x]["base_chars"] + sizes[x]["final_chars"]) / 2 for x in xs]
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(ticks, [f"{t / 1e6:.2g}M" if t >= 1e6 else f"{t / 1e3:.0f}K" for t in ticks])
         ax.set_title(name)
         ax.set_xlabel("session context (chars, mean over samples)")
         ax.grid(True, which="both", alpha=0.3)
