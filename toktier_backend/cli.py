@@ -8,9 +8,14 @@ import sys
 
 
 def _demo(args) -> int:
-    from .demo import run_local
+    if args.local:
+        from .demo import run_local
 
-    return 1 if run_local(args.tokenizer, args.sessions) else 0
+        return 1 if run_local(args.tokenizer, args.sessions) else 0
+    from .demo import run_served
+
+    return run_served(args.tokenizer, args.sessions, protocol=args.protocol, url=args.url,
+                      ready_timeout_s=args.ready_timeout, repeat=args.repeat)
 
 
 def _encode(args) -> int:
@@ -41,9 +46,25 @@ def _guard_tables(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="toktier", description="Exact, stateful tokenization for LLM serving.")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="replay real agent sessions and check every reply against HF")
+    p = sub.add_parser(
+        "demo",
+        help="serve, replay real agent sessions through the client and check every reply against HF",
+        description=(
+            "Start tritonserver (nvidia-pytriton) with the tokenizer, replay agent sessions turn by turn through "
+            "the client (toktier_session in full-text and delta+patch mode, toktier_encode as the full "
+            "re-encode), check every reply against the HF reference and print per-turn latencies and routes. "
+            "Exit code: 0 all exact, 1 mismatches, 2 server failure, 130/143 Ctrl-C/SIGTERM. The server is always "
+            "stopped. --local replays through the library instead (no server)."
+        ),
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, folder or Hub id (default: bundled GPT-2)")
     p.add_argument("--sessions", default=None, help="folder of SWE-agent *.traj files (default: bundled sample)")
+    p.add_argument("--local", action="store_true", help="library-only replay, no server (no serve extra needed)")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="client protocol (default grpc)")
+    p.add_argument("--url", default=None,
+                   help="HOST:PORT of a running `toktier serve` with the same tokenizer, instead of starting one")
+    p.add_argument("--repeat", type=int, default=1, help="replay the sessions N times for more samples (default 1)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("encode", help="print the ids of TEXT (or stdin)")
     p.add_argument("text", nargs="?")

@@ -39,8 +39,16 @@ from typing import Sequence
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 """The folder that holds ``toktier_backend`` (put first on the stub's ``PYTHONPATH``)."""
 
-DEFAULT_MODEL_REPOSITORY = PACKAGE_ROOT / "model_repository"
-"""``model_repository/`` of a source checkout; an installed wheel does not carry it (pass one)."""
+
+def _default_model_repository() -> Path:
+    """The repository shipped as package data (``toktier_backend/model_repository``: in a source checkout a
+    symlink to the top-level ``model_repository/``, in an installed wheel a copy), else the checkout's."""
+    shipped = Path(__file__).resolve().parents[1] / "model_repository"
+    return shipped.resolve() if shipped.is_dir() else PACKAGE_ROOT / "model_repository"
+
+
+DEFAULT_MODEL_REPOSITORY = _default_model_repository()
+"""``model_repository/``: the package-data copy in an installed wheel, the top-level folder in a checkout."""
 
 
 # ---------------------------------------------------------------- the tritonserver shipped in nvidia-pytriton
