@@ -254,8 +254,8 @@ class Tokenizer:
         """Body ids of a whole text that has no session state (first turn, rebuild, stateless call).
 
         The deepest indexed prefix of ``text`` (confirmed char by char) is reused and only the rest is
-        encoded; then the text's own chunks are indexed for later requests. Texts shorter than two
-        index steps skip the index.
+        encoded; then the text's own chunks are indexed for later requests by a background thread.
+        Texts shorter than two index steps skip the index.
         """
         idx = self.prefix_index
         if idx is None or len(text) < 2 * idx.step:
@@ -267,7 +267,7 @@ class Tokenizer:
             tail, engine = self.encode_body(text[hit.cut :])
             body = np.concatenate([hit.ids, tail])
             engine += "+prefix"
-        idx.insert(text, body, after=hit)
+        idx.insert_later(text, body, after=hit)  # hashed off the request path
         return body, engine
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:

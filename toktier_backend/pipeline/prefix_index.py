@@ -27,6 +27,8 @@ fastokens' segment cache at added-token segments; this reuses them at any stable
 from __future__ import annotations
 
 import hashlib
+import logging
+import queue
 import sys
 import threading
 from collections import OrderedDict
@@ -34,8 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 #: Default grid step (chars) and byte budget.
-STEP = 8192
+STEP = 16384
 BUDGET = 256 * 1024 * 1024
 _FP = 32  # chars of fingerprint before a cut
 
@@ -91,7 +95,7 @@ class PrefixIndex:
     """
 
     def __init__(self, finder, token_nbytes: np.ndarray, normalized_nbytes, *, step: int = STEP,
-                 budget_bytes: int = BUDGET, digest=blake2b_chain):
+                 budget_bytes: int = BUDGET, digest=blake2b_chain, queue_size: int = 8):
         self.finder = finder
         self.token_nbytes = token_nbytes
         self.normalized_nbytes = normalized_nbytes
@@ -102,7 +106,10 @@ class PrefixIndex:
         self._by_fp: dict[tuple[int, str], _Node] = {}
         self._lock = threading.Lock()
         self.nbytes = 0
-        self.hits = self.misses = self.collisions = self.evictions = 0
+        self.hits = self.misses = self.collisions = self.evictions = self.dropped = 0
+        self.queue_size = queue_size
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
         self.chars_reused = 0
 
     def __len__(self) -> int:
@@ -111,7 +118,8 @@ class PrefixIndex:
     def stats(self) -> dict:
         """Counters for metrics: nodes, bytes, hits, misses, collisions, evictions, chars_reused."""
         return {"nodes": len(self._nodes), "bytes": self.nbytes, "hits": self.hits, "misses": self.misses,
-                "collisions": self.collisions, "evictions": self.evictions, "chars_reused": self.chars_reused}
+                "collisions": self.collisions, "evictions": self.evictions, "chars_reused": self.chars_reused,
+                "dropped": self.dropped}
 
     @staticmethod
     def _fp(text: str, c: int) -> tuple[int, str]:
@@ -119,14 +127,25 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, text: str) -> PrefixHit | None:
-        """The deepest indexed prefix of ``text`` that equals the text char for char, or ``None``."""
+        """The deepest indexed prefix of ``text`` that equals the text char for char, or ``None``.
+
+        Indexed prefixes are prefix-closed (a node exists only under its parent), so the deepest grid
+        window whose cut has a node is found by binary search over windows (O(log(n/step)) cut
+        computations), then confirmed; if confirmation fails (a fingerprint collision), windows below
+        it are tried one by one.
+        """
         n = len(text)
+        top = (n - 1) // self.step
         with self._lock:
-            for i in range((n - 1) // self.step, 0, -1):
-                c = self.finder.grid_cut(text, i, self.step)
-                if c is None:
-                    continue
-                node = self._by_fp.get(self._fp(text, c))
+            lo, hi, best = 1, top, 0  # invariant: windows > hi have no node; best = deepest seen with one
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if self._node_at(text, mid) is not None:
+                    best, lo = mid, mid + 1
+                else:
+                    hi = mid - 1
+            for i in range(best, 0, -1):
+                node = self._node_at(text, i)
                 if node is None:
                     continue
                 chain = _chain(node)
@@ -136,11 +155,15 @@ class PrefixIndex:
                 for x in chain:  # root first: ancestors stay more recent than their leaves
                     self._nodes.move_to_end(x.key)
                 self.hits += 1
-                self.chars_reused += c
+                self.chars_reused += node.end
                 ids = chain[0].ids if len(chain) == 1 else np.concatenate([x.ids for x in chain])
-                return PrefixHit(cut=c, ids=ids, node=node)
+                return PrefixHit(cut=node.end, ids=ids, node=node)
             self.misses += 1
             return None
+
+    def _node_at(self, text: str, i: int) -> _Node | None:
+        c = self.finder.grid_cut(text, i, self.step)
+        return None if c is None else self._by_fp.get(self._fp(text, c))
 
     # ------------------------------------------------------------------ insert
     def insert(self, text: str, body_ids: np.ndarray, *, after: PrefixHit | None = None) -> int:
@@ -180,6 +203,42 @@ class PrefixIndex:
                 parent, start, tok = node, c, tok + k
             self._evict()
         return added
+
+    def insert_later(self, text: str, body_ids: np.ndarray, *, after: PrefixHit | None = None) -> bool:
+        """Queue :meth:`insert` for the background indexer so the reply does not wait for hashing.
+
+        Returns ``False`` (and counts a drop) when the bounded queue is full: indexing is an
+        optimisation, never a reason to block or to grow memory without bound.
+        """
+        with self._lock:
+            if self._worker is None:
+                self._queue = queue.Queue(maxsize=self.queue_size)
+                self._worker = threading.Thread(target=self._run, name="toktier-prefix-index", daemon=True)
+                self._worker.start()
+        try:
+            self._queue.put_nowait((text, body_ids, after))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until queued inserts are done (tests, benchmarks)."""
+        if self._worker is not None:
+            deadline = threading.Event()
+            t = threading.Thread(target=lambda: (self._queue.join(), deadline.set()), daemon=True)
+            t.start()
+            deadline.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            text, body_ids, after = self._queue.get()
+            try:
+                self.insert(text, body_ids, after=after)
+            except Exception:  # an index failure only loses reuse, never a reply
+                log.exception("prefix index insert failed")
+            finally:
+                self._queue.task_done()
 
     def _evict(self) -> None:
         while self.nbytes > self.budget_bytes and self._nodes:

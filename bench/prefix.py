@@ -1,0 +1,115 @@
+"""Cross-session prefix reuse benchmark (not a test).
+
+Two scenarios, ours beside gigatoken's full encode in the same run, every reply checked against HF:
+
+1. **Shared system prompt**: a 40K-char system prompt + tool definitions (from the corpus) seen once;
+   then new sessions whose first turn is that prompt + a different user turn. Timed: ours
+   ``Session.update(first_turn)`` (a fresh session: the prefix index serves the prompt) vs gigatoken
+   full encode of the same text.
+2. **95% shared 1M-char requests**: one 1M-char text encoded once; then fresh stateless requests whose
+   first 95% equal it and whose last 5% differ. Timed: ours ``Tokenizer.encode`` vs gigatoken.
+
+Usage: ``python bench/prefix.py [--tokenizers qwen3,llama3_1] [--samples 24] [--out bench/out]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+import anchors
+
+anchors.ensure_repo_on_path()
+
+import toktier_backend as tt  # noqa: E402
+from toktier_backend.corpus import load_turns, long_session_text, trajectory_files  # noqa: E402
+
+
+def _time(fn):
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+    finally:
+        gc.enable()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizers", default="qwen3,llama3_1")
+    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--shared", default=None)
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+    shared = anchors.shared_dir(args.shared)
+    corpus = shared / "corpus" / "swe-agent"
+    others = [load_turns(f) for f in trajectory_files(corpus)]
+    results = {"samples": args.samples, "tokenizers": {}}
+    print(f"{'tokenizer':<10} {'scenario':<28} {'ours p50':>9} {'p90':>8} {'giga p50':>9} {'p90':>8} {'giga/ours':>9}  n  exact")
+    for name in args.tokenizers.split(","):
+        path = anchors.tokenizer_path(name, shared)
+        tok = tt.load_tokenizer(path)
+        giga = anchors.gigatoken(path).encode
+        ref = tok.reference
+        res = results["tokenizers"][name] = {}
+
+        # 1. shared 40K-char system prompt, new sessions
+        prompt = long_session_text(40_000, corpus)
+        tok.session().update(prompt + "<|im_start|>user\nhello<|im_end|>\n")  # seen once
+        tok.prefix_index.drain()
+        ours_ms, giga_ms, bad = [], [], 0
+        for i in range(args.samples):
+            turn = others[i % len(others)][1][-2000:]
+            first = prompt + turn + f"#{i}"
+            s = tok.session()
+            ms, ids = _time(lambda: s.update(first))
+            ours_ms.append(ms)
+            tok.prefix_index.drain()  # indexing runs off the request path; keep it out of the next timing
+            giga(first[:-1])
+            gms, _ = _time(lambda: giga(first))
+            giga_ms.append(gms)
+            bad += ids.tolist() != ref.encode(first).ids
+        res["system_prompt_40k"] = _row(name, "new session, 40K prompt seen", ours_ms, giga_ms, bad)
+
+        # 2. fresh 1M-char requests sharing 95%
+        base = long_session_text(1_000_000, corpus)
+        tok.encode(base)
+        tok.prefix_index.drain()
+        ours_ms, giga_ms, bad = [], [], 0
+        for i in range(args.samples):
+            text = base[:950_000] + f" edit {i} " + base[950_000 + 97 * i :]
+            ms, ids = _time(lambda: tok.encode(text, add_special_tokens=False))
+            ours_ms.append(ms)
+            tok.prefix_index.drain()
+            giga(text[:-1])
+            gms, gids = _time(lambda: giga(text))
+            giga_ms.append(gms)
+            bad += not np.array_equal(ids, gids)
+            if i < 3:  # HF check (slow at 1M): first samples
+                bad += ids.tolist() != ref.encode(text, add_special_tokens=False).ids
+        res["fresh_1m_95pct"] = _row(name, "fresh 1M, 95% shared", ours_ms, giga_ms, bad)
+        res["index"] = tok.prefix_index.stats() if tok.prefix_index else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefix.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {out / 'prefix.json'}")
+
+
+def _row(name, label, ours, giga, bad) -> dict:
+    o50, o90 = float(np.median(ours)), float(np.percentile(ours, 90))
+    g50, g90 = float(np.median(giga)), float(np.percentile(giga, 90))
+    print(f"{name:<10} {label:<28} {o50:9.3f} {o90:8.3f} {g50:9.3f} {g90:8.3f} {g50 / o50:8.1f}x {len(ours):3d}  "
+          f"{'yes' if bad == 0 else f'NO ({bad})'}")
+    return {"ours_p50_ms": o50, "ours_p90_ms": o90, "gigatoken_p50_ms": g50, "gigatoken_p90_ms": g90,
+            "speedup_p50": g50 / o50, "n": len(ours), "mismatches": bad}
+
+
+if __name__ == "__main__":
+    main()
