@@ -102,8 +102,13 @@ class SessionClient:
         else:
             import tritonclient.http as mod
         self._mod = mod
-        self._client = client if client is not None else mod.InferenceServerClient(url)
         self._own_client = client is None
+        if client is None:
+            # HTTP: the client-side limit is the connection's network timeout (infer's own ``timeout`` is
+            # Triton's server-side timeout, in microseconds); gRPC takes ``client_timeout`` per call.
+            http_kw = {"network_timeout": timeout_s, "connection_timeout": timeout_s} if protocol == "http" and timeout_s else {}
+            client = mod.InferenceServerClient(url, **http_kw)
+        self._client = client
         self.text = ""
         self.ids = np.zeros(0, dtype=np.int32)
         self.is_open = False
@@ -191,8 +196,8 @@ class SessionClient:
         ]
         outputs = [mod.InferRequestedOutput(n) for n in ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")]
         kwargs: dict[str, Any] = {"outputs": outputs}
-        if self.timeout_s is not None:
-            kwargs["client_timeout" if self.protocol == "grpc" else "timeout"] = self.timeout_s
+        if self.timeout_s is not None and self.protocol == "grpc":
+            kwargs["client_timeout"] = self.timeout_s
         if self.face == "native":
             kwargs.update(sequence_id=self.session_id, sequence_start=start, sequence_end=end)
         else:
