@@ -49,6 +49,8 @@ CANARY: tuple[str, ...] = (
 CONTEXTS: tuple[str, ...] = ("a{}b", " {}{}", "1{}\u0301", "\n{}'s ")
 
 _BLOCK = 1024
+#: Texts at least this long (chars) are checked for guarded code points in numpy, not with the regex.
+_SCAN_CHARS = 512
 _SEP = "\n\n"
 
 
@@ -68,14 +70,34 @@ class Admission:
 
     def __post_init__(self):
         self._re = _char_class(self.guarded)
+        self._sorted = np.asarray(sorted(self.guarded), dtype=np.uint32)
 
     def has_guarded(self, text: str) -> bool:
-        """Does ``text`` hold a guarded code point? O(len(text)); free for ASCII when none is guarded."""
+        """Does ``text`` hold a guarded code point? O(len(text)); free for ASCII when none is guarded.
+
+        Texts of :data:`_SCAN_CHARS` chars or more are checked as UTF-32 code points in numpy (about
+        1 ns/char) instead of with the regex (Python ``re`` over this class costs ~50-200 ns/char:
+        600-800 ms for 4M chars of agent text, 20x gigatoken's whole encode).
+        """
         if self._re is None:
             return False
         if text.isascii() and not self._ascii_guarded:
             return False
+        if len(text) >= _SCAN_CHARS:
+            # surrogatepass: callers validate first; a lone surrogate is never guarded either way
+            return self.has_guarded_cps(np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32))
         return self._re.search(text) is not None
+
+    def has_guarded_cps(self, cps: np.ndarray) -> bool:
+        """:meth:`has_guarded` on code points: ``cps`` is ``uint32[n]`` (a text's UTF-32 code units)."""
+        g = self._sorted
+        if not len(g):
+            return False
+        hi = cps[cps >= g[0]]  # guarded code points start at U+088F here: agent text has few above
+        if not len(hi):
+            return False
+        at = np.minimum(np.searchsorted(g, hi), len(g) - 1)
+        return bool((g[at] == hi).any())
 
     @property
     def _ascii_guarded(self) -> bool:

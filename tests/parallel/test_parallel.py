@@ -1,0 +1,324 @@
+"""Chunked full encode (``toktier_backend.parallel``) against the HF reference, and the shared pool.
+
+Every chunked result is compared with ``Tokenizer.from_file(path).encode(text, add_special_tokens=...)
+.ids`` (``tests/conftest.py`` ``reference(name)``, loaded independently of our code), on all nine files:
+real SWE-agent trajectories, texts built to defeat naive cuts, added tokens at chunk edges, every chunk
+count 1..16, guarded code points, and the pathological runs (1M-char runs are checked in
+``bench/full_encode.py --pathological``; here they are 60K chars, where HF takes ~0.1 s each).
+Chunk sizes are forced small (``chunk_chars`` 64..8K, ``min_chars=0``) so short texts take many chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import toktier_backend as tt
+from toktier_backend import corpus, parallel
+from toktier_backend.parallel import CHUNK, REPAIR, ChunkedEncoder, CpuPool
+
+from ..conftest import NAMES, load, reference
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = CpuPool(2, name="test-parallel")
+    yield p
+    p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def corpus_text(corpus_texts) -> str:
+    """~150K chars of real trajectories (several files, so several ChatML sessions)."""
+    return "".join(corpus_texts)[:150_000]
+
+
+def hf_ids(name: str, text: str, add_special_tokens: bool = False) -> list[int]:
+    return reference(name).encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def check(name: str, enc: ChunkedEncoder, text: str, *, min_chunks: int = 1) -> tuple[np.ndarray, str]:
+    ids, engine = enc.encode_body(text)
+    assert ids.dtype == np.int32
+    want = hf_ids(name, text)
+    if ids.tolist() != want:
+        got = ids.tolist()
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        b = enc.bounds(text)
+        pytest.fail(f"{name}: chunked ids differ from HF at id {at} (len {len(got)} vs {len(want)}); "
+                    f"{len(b) - 1} chunks, cuts near: {[c for c in b if abs(c - at * 3) < 2000][:5]}")
+    assert len(enc.bounds(text)) - 1 >= min_chunks
+    return ids, engine
+
+
+# ---------------------------------------------------------------------------------------------- texts
+
+
+def trap_text(name: str, rng: random.Random, n_pieces: int = 60) -> str:
+    """Runs that defeat naive cuts (whitespace, CRLF, digits, one letter, ``-``/``_``, no spaces at all,
+    CJK, newlines + punctuation), the file's added tokens, and a little real-looking text between them."""
+    added = [a.content for a in load(name).spec.added if a.content][:12]
+    runs = [
+        lambda: " " * rng.randint(1, 3000),
+        lambda: "\r\n" * rng.randint(1, 1500),
+        lambda: "\n" * rng.randint(1, 2000),
+        lambda: "\t \n " * rng.randint(1, 300),
+        lambda: "7" * rng.randint(1, 3000),
+        lambda: "1234567890" * rng.randint(1, 200),
+        lambda: "a" * rng.randint(1, 3000),
+        lambda: "-" * rng.randint(1, 2000),
+        lambda: "_" * rng.randint(1, 2000),
+        lambda: "".join(rng.choice("abcXYZ09./:=") for _ in range(rng.randint(1, 2500))),  # no spaces
+        lambda: "你好世界，中文字符测试。日本語のテキスト" * rng.randint(1, 100),
+        lambda: "e\u0301 a\u0308 \U0001F468\u200d\U0001F469 " * rng.randint(1, 50),
+        lambda: "it's 'll DON'T x = f(y) -> z;\n" * rng.randint(1, 40),
+        lambda: "word " * rng.randint(1, 400),
+        lambda: "a.\n/b\nc \n\nd\n" * rng.randint(1, 100),
+        lambda: rng.choice(added) if added else "<|x|>",
+        lambda: "".join(rng.choice(added) for _ in range(rng.randint(1, 5))) if added else "",
+    ]
+    return "".join(rng.choice(runs)() for _ in range(n_pieces))
+
+
+def edge_text(name: str, step: int) -> str:
+    """Added tokens placed around grid points ``k * step``: ending just before one, crossing it at each
+    inner position, starting at it, starting just after it."""
+    added = [a.content for a in load(name).spec.added if a.content]
+    # first the tokens with a family seam or an added-token start inside (Gemma 3's newline runs): a cut
+    # there is refused only by the crossing rule; then a few ordinary ones
+    finder = load(name).cuts
+    inner = [t for t in added if any(finder.family.is_stable_cut(t + " x", c, len(t) + 2)
+                                     or finder.seams.starts_at(t, c, len(t)) for c in range(1, len(t)))]
+    added = inner[:4] + added[:3]
+    filler = "word x=1 it's\n" * (step // 4 + 4)  # > 3 steps long
+    text = ""
+    for tok in added:
+        for off in range(-len(tok) - 1, 3):
+            g = (len(text) // step + 1) * step  # the next grid point
+            if g + off < len(text):
+                g += step
+            text += filler[: g + off - len(text)] + tok
+    return text + filler[:step]
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_real_trajectories(name, pool, corpus_text):
+    tok = load(name)
+    for cc in (1000, 8192):
+        enc = ChunkedEncoder(tok, pool=pool, chunk_chars=cc, min_chars=0)
+        _, engine = check(name, enc, corpus_text, min_chunks=len(corpus_text) // cc // 2)
+        assert engine == tok.engine.name  # the corpus holds no guarded code point
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_trap_texts(name, pool):
+    tok = load(name)
+    rng = random.Random(f"trap-{name}")
+    for cc in (64, 257, 1000, 4096):
+        enc = ChunkedEncoder(tok, pool=pool, chunk_chars=cc, min_chars=0, search_chars=rng.choice([64, 1024]))
+        check(name, enc, trap_text(name, rng))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_added_tokens_at_chunk_edges(name, pool):
+    tok = load(name)
+    for cc in (97, 500):
+        enc = ChunkedEncoder(tok, pool=pool, chunk_chars=cc, min_chars=0, search_chars=cc)
+        check(name, enc, edge_text(name, cc), min_chunks=2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_chunk_count_1_to_16(name, pool, corpus_text):
+    tok = load(name)
+    text = corpus_text[:40_000]
+    want = hf_ids(name, text)
+    for k in range(1, 17):
+        enc = ChunkedEncoder(tok, pool=pool, chunk_chars=math.ceil(len(text) / k), min_chars=0)
+        assert len(enc.bounds(text)) - 1 == k, f"{name}: {k} chunks wanted"
+        ids, _ = enc.encode_body(text)
+        assert ids.tolist() == want, f"{name}: {k} chunks"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_public_api_and_session_full_route(name, pool, corpus_text, monkeypatch):
+    """``Tokenizer.encode`` (post-processor applied once, to the whole text) and a session's full encode
+    take the chunked path when the text is long enough."""
+    tok = load(name)
+    monkeypatch.setattr(tok.chunked, "min_chars", 1)
+    monkeypatch.setattr(tok.chunked, "chunk_chars", 2000)
+    monkeypatch.setattr(tok.chunked, "_pool", pool)
+    text = corpus_text[:30_000]
+    before = tok.chunked.stats["encodes"]
+    for flag in (True, False):
+        assert tok.encode(text, add_special_tokens=flag).tolist() == hf_ids(name, text, flag)
+    s = tok.session(add_special_tokens=True)
+    assert s.update(text).tolist() == hf_ids(name, text, True)
+    assert s.last_repair.route == "full"
+    assert tok.chunked.stats["encodes"] > before or not tok.chunked.available
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_guarded_chunk_goes_to_reference_alone(name, pool, corpus_text):
+    tok = load(name)
+    if not tok.admission.guarded:
+        pytest.skip(f"{name}: no guarded code point for {tok.engine.name}")
+    cp = chr(tok.admission.guarded[len(tok.admission.guarded) // 2])
+    text = corpus_text[:20_000]
+    text = text[:10_000] + f" x{cp}y " + text[10_000:]
+    enc = ChunkedEncoder(tok, pool=pool, chunk_chars=2000, min_chars=0)
+    _, engine = check(name, enc, text, min_chunks=8)
+    assert engine == f"{tok.engine.name}+hf"
+    assert enc.stats["reference_chunks"] == 1 and enc.stats["chunks"] >= 8
+
+
+def test_engine_error_sends_only_that_chunk_to_reference(pool, corpus_text, monkeypatch):
+    tok = load("qwen3")
+    enc = ChunkedEncoder(tok, pool=pool, chunk_chars=2000, min_chars=0)
+    real = enc._encode
+
+    def flaky(chunk: str):
+        if "submit" in chunk:
+            raise RuntimeError("injected")
+        return real(chunk)
+
+    monkeypatch.setattr(enc, "_encode", flaky)
+    text = corpus_text[:20_000]
+    check("qwen3", enc, text)
+    assert 0 < enc.stats["engine_errors"] == enc.stats["reference_chunks"] < enc.stats["chunks"]
+
+
+def test_lone_surrogate_names_its_index(pool):
+    tok = load("gpt2")
+    enc = ChunkedEncoder(tok, pool=pool, chunk_chars=100, min_chars=0)
+    text = "word " * 200 + "\ud800" + " more" * 10
+    with pytest.raises(tt.InvalidRequest, match="at char 1000"):
+        enc.encode_body(text)
+    with pytest.raises(tt.InvalidRequest, match="lone surrogate"):
+        tok.encode(text)
+
+
+def test_not_chunked_without_gil_free_engine_or_cut_family():
+    hf_only = tt.load_tokenizer(tt.default_tokenizer_path(), engine="hf")
+    assert not hf_only.chunked.available and not hf_only.chunked.wants("x " * 10**6)
+    tok = load("gpt2")
+    assert tok.chunked.available and not tok.chunked.wants("x" * (tok.chunked.min_chars - 1))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pathological_runs(name, pool):
+    """60K-char runs with no stable cut: exact through full encodes and through sessions (append to a
+    run: every widening finds no cut, then a full encode). 1M chars and the 250K-vs-1M scaling are in
+    ``bench/full_encode.py --pathological``."""
+    tok = load(name)
+    enc = ChunkedEncoder(tok, pool=pool, chunk_chars=4096, min_chars=0)
+    for ch in ("a", "-", " ", "\n", "7"):
+        text = ch * 60_000
+        ids, _ = check(name, enc, text)
+        s = tok.session(add_special_tokens=False)
+        assert s.update(text).tolist() == ids.tolist()
+        assert s.append(ch).tolist() == hf_ids(name, text + ch), f"{name}: append to a {ch!r} run"
+
+
+# ---------------------------------------------------------------------------------------------- the pool
+
+
+def test_pool_runs_repairs_before_queued_chunks():
+    p = CpuPool(1, name="test-order")
+    gate = threading.Event()
+    order: list[str] = []
+    first = p.submit(gate.wait, priority=CHUNK)  # occupies the only worker
+    while p.in_flight == 0:
+        time.sleep(0.001)
+    futs = [p.submit(order.append, f"c{i}", priority=CHUNK) for i in range(3)]
+    futs.append(p.submit(order.append, "r0", priority=REPAIR))
+    futs.append(p.submit(order.append, "c3", priority=CHUNK))
+    futs.append(p.submit(order.append, "r1", priority=REPAIR))
+    st = p.stats()
+    assert st["queue_depth"] == 6 and st["in_flight"] == 1
+    assert st["by_priority"]["repair"]["queued"] == 2 and st["by_priority"]["chunk"]["queued"] == 4
+    gate.set()
+    for f in [first, *futs]:
+        f.result(timeout=10)
+    assert order == ["r0", "r1", "c0", "c1", "c2", "c3"]
+    st = p.stats()
+    assert st["queue_depth"] == 0 and st["in_flight"] == 0
+    assert st["by_priority"]["chunk"]["completed"] == 5 and st["by_priority"]["repair"]["completed"] == 2
+    assert st["by_priority"]["repair"]["wait_ms_max"] > 0
+    p.shutdown()
+
+
+def test_fifo_pool_ignores_priority():
+    p = CpuPool(1, fifo=True, name="test-fifo")
+    gate = threading.Event()
+    order: list[str] = []
+    p.submit(gate.wait)
+    while p.in_flight == 0:
+        time.sleep(0.001)
+    futs = [p.submit(order.append, "c0"), p.submit(order.append, "r0", priority=REPAIR)]
+    gate.set()
+    for f in futs:
+        f.result(timeout=10)
+    assert order == ["c0", "r0"]
+    p.shutdown()
+
+
+def test_pool_errors_and_nested_map_do_not_deadlock():
+    p = CpuPool(1, name="test-nested")
+    with pytest.raises(ZeroDivisionError):
+        p.call(lambda: 1 / 0)
+    # a repair on the only worker that needs a chunked encode: it runs its own chunks
+    assert p.call(lambda: p.map(lambda x: x * x, list(range(20)))) == [x * x for x in range(20)]
+    with pytest.raises(ValueError):
+        p.submit(print, priority=7)
+    p.shutdown()
+    with pytest.raises(RuntimeError):
+        p.submit(print)
+
+
+def test_repair_submitted_during_long_encode_finishes_first(corpus_texts):
+    """The Delta Tokenizer property: a session repair submitted while a long full encode is running
+    finishes before it, waiting at most about one chunk (here a chunk is ~20K chars, ~0.1 ms of
+    gigatoken; the bound is loose for a loaded CI machine)."""
+    tok = load("qwen3")
+    p = CpuPool(2, name="test-delta")
+    enc = ChunkedEncoder(tok, pool=p, chunk_chars=20_000, min_chars=0)
+    text = corpus.long_session_text(3_000_000)
+    n_chunks = len(enc.bounds(text)) - 1
+    assert n_chunks >= 100
+    s = tok.session(add_special_tokens=False)
+    s.update("".join(corpus_texts)[:50_000])
+    done: dict[str, float] = {}
+
+    def long_encode():
+        enc.encode_body(text)
+        done["encode"] = time.perf_counter()
+
+    t = threading.Thread(target=long_encode)
+    t.start()
+    while p.stats()["by_priority"]["chunk"]["completed"] < 4:  # the encode is under way
+        time.sleep(0.0005)
+    t0 = time.perf_counter()
+    ids = p.call(s.append, "\n<|im_start|>user\nnext turn, please<|im_end|>\n", priority=REPAIR)
+    done["repair"] = time.perf_counter()
+    t.join()
+    assert s.last_repair.route == "append" and len(ids) > 0
+    assert done["repair"] < done["encode"], "the repair waited for the whole encode"
+    st = p.stats()
+    assert st["by_priority"]["repair"]["completed"] == 1
+    assert st["by_priority"]["chunk"]["completed"] == n_chunks
+    # it overtook the queued chunks: far fewer than all of them ran before it
+    assert st["by_priority"]["repair"]["wait_ms_max"] < (done["encode"] - t0) * 1e3
+    p.shutdown()
+
+
+def test_shared_pool_is_one_per_process():
+    assert parallel.shared_pool() is parallel.shared_pool()
+    assert ChunkedEncoder(load("gpt2")).pool is parallel.shared_pool()
