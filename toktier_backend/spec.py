@@ -148,6 +148,8 @@ def load_spec(path: str | os.PathLike) -> TokenizerSpec:
         config = json.loads(raw)
     except json.JSONDecodeError as e:
         raise UnsupportedTokenizer(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    except UnicodeDecodeError as e:  # binary (a pickle, an archive): never parsed further
+        raise UnsupportedTokenizer(f"{path}: not a JSON text file (byte {e.start} is not UTF-8): {e.reason}") from e
     if not isinstance(config, dict) or "model" not in config:
         raise UnsupportedTokenizer(f"{path}: not a Hugging Face tokenizer.json (no 'model' section)")
     try:

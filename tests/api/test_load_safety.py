@@ -1,0 +1,64 @@
+"""Loading is safe and strict: JSON only (no pickle, no remote code), clear errors, optional sha256 pin."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+
+import toktier_backend as tt
+
+GPT2 = tt.default_tokenizer_path()
+PACKAGE = Path(tt.__file__).parent
+
+
+def test_sha256_pin():
+    digest = hashlib.sha256(GPT2.read_bytes()).hexdigest()
+    assert tt.load_tokenizer(GPT2, sha256=digest.upper()).encode("hello world").tolist() == [31373, 995]
+    with pytest.raises(tt.UnsupportedTokenizer, match=r"sha256 [0-9a-f]{64} is not the pinned '0+'.*tokenizer_sha256"):
+        tt.load_tokenizer(GPT2, sha256="0" * 64)
+
+
+def test_malformed_json_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{\n  "model": {"type": "BPE",\n  oops\n}')
+    with pytest.raises(tt.UnsupportedTokenizer, match=r"tokenizer.json: malformed JSON at line 3 column 3"):
+        tt.load_tokenizer(bad)
+
+
+def test_unsupported_model_type_is_refused(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"version": "1.0", "model": {"type": "NotAModel", "vocab": {}}}')
+    with pytest.raises(tt.UnsupportedTokenizer, match="Hugging Face tokenizers cannot load it"):
+        tt.load_tokenizer(bad)
+    bad.write_text('["not", "a", "tokenizer"]')
+    with pytest.raises(tt.UnsupportedTokenizer, match="no 'model' section"):
+        tt.load_tokenizer(bad)
+
+
+def test_a_pickle_is_never_unpickled(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    bad = tmp_path / "tokenizer.json"
+    bad.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(tt.UnsupportedTokenizer):
+        tt.load_tokenizer(bad)
+    assert not marker.exists()
+
+
+def test_no_pickle_eval_or_remote_code_in_the_load_and_serve_path():
+    """``integrations/`` is excluded: the vLLM shim implements vLLM's tokenizer interface, which passes
+    vLLM's own ``trust_remote_code`` flag through to vLLM; our load path never takes it."""
+    pattern = re.compile(r"^\s*(import pickle|from pickle|import marshal|import dill)|\b(eval|exec)\(|trust_remote_code",
+                         re.M)
+    hits = [f"{p.relative_to(PACKAGE)}: {m.group(0).strip()}" for p in PACKAGE.rglob("*.py")
+            if "integrations" not in p.relative_to(PACKAGE).parts
+            for m in pattern.finditer(p.read_text())]
+    assert hits == []
