@@ -8,27 +8,40 @@ Sessions live in a :class:`SessionStore`, keyed by the Triton **correlation ID**
 ``request.correlation_id()`` returns it; ``17`` and ``"17"`` are different sessions, as they are for the
 sequence batcher). START replaces whatever the key held, END frees it after the reply, and a session idle
 for longer than the store's TTL is dropped; the TTL is set from the sequence batcher's
-``max_sequence_idle_microseconds`` so that the store forgets a session when Triton does.
+``max_sequence_idle_microseconds`` so that the store forgets a session when Triton does. The store also
+holds a byte budget (LRU eviction): see :mod:`toktier_backend.pipeline.session_store`.
+
+Each reply may be sampled by the shadow verifier (:mod:`toktier_backend.pipeline.verifier`) and every request
+is counted in the ``toktier_*`` metrics (:mod:`toktier_backend.serving.metrics`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Hashable, Mapping
 
 import numpy as np
 
 import toktier_backend as tt
 from toktier_backend.errors import InvalidRequest, ToktierError, UnknownSession
+from toktier_backend.pipeline.session_store import (  # noqa: F401  (re-exported: the store used to live here)
+    DEFAULT_SESSION_TTL_S,
+    SessionEntry,
+    SessionStore,
+)
 from toktier_backend.serving import triton_io
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TEXT_BYTES = 16 * 1024 * 1024
 """Default cap on a session's whole text and on one ``TEXT`` element, in UTF-8 bytes (config ``max_text_bytes``)."""
 
-DEFAULT_SESSION_TTL_S = 600.0
-"""Default idle time after which a session is dropped, in seconds (the sequence batcher's idle timeout)."""
+DEFAULT_SESSION_BUDGET_BYTES = 1 << 30
+"""Default byte budget of one instance's sessions (config ``session_budget_bytes``; 0 = unbounded)."""
 
 MODES = ("full", "delta")
 REPLIES = ("full", "patch")
@@ -36,91 +49,10 @@ REPLIES = ("full", "patch")
 CorrelationId = Hashable  # int or str, as request.correlation_id() returns it
 
 
-# ---------------------------------------------------------------- session store
-
-
-@dataclasses.dataclass
-class SessionEntry:
-    """One held session.
-
-    Attributes:
-        session: the core ``Session`` (text, ids, last repair).
-        add_special_tokens: the flag the session was opened with; a ``delta`` request cannot change it.
-        text_bytes: UTF-8 bytes of ``session.text`` (checked against ``max_text_bytes`` without re-encoding).
-        last_used: clock time of the last request, in seconds.
-    """
-
-    session: Any
-    add_special_tokens: bool
-    text_bytes: int
-    last_used: float
-
-
-class SessionStore:
-    """Sessions by correlation ID, with an idle TTL and START/END semantics.
-
-    Not thread-safe by itself: :class:`Handler` serializes access. A later issue adds byte budgets and LRU.
-
-    Args:
-        ttl_s: idle time, in seconds, after which a session is dropped (checked lazily on access and by
-            :meth:`expire`). Align it with the sequence batcher's ``max_sequence_idle_microseconds``.
-        clock: monotonic clock in seconds (tests pass a fake one).
-    """
-
-    def __init__(self, *, ttl_s: float = DEFAULT_SESSION_TTL_S, clock: Callable[[], float] = time.monotonic):
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0 seconds, got {ttl_s!r}")
-        self.ttl_s = float(ttl_s)
-        self._clock = clock
-        self._entries: dict[CorrelationId, SessionEntry] = {}
-        self._next_sweep = clock() + self.ttl_s
-        self.expired = 0  # sessions dropped for idleness, since start
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, corr_id: CorrelationId) -> bool:
-        return self.get(corr_id) is not None
-
-    def now(self) -> float:
-        return self._clock()
-
-    def get(self, corr_id: CorrelationId) -> SessionEntry | None:
-        """The live entry for ``corr_id``, or ``None`` (never held, ended, or idle past the TTL)."""
-        entry = self._entries.get(corr_id)
-        if entry is not None and self._clock() - entry.last_used > self.ttl_s:
-            del self._entries[corr_id]
-            self.expired += 1
-            return None
-        return entry
-
-    def put(self, corr_id: CorrelationId, entry: SessionEntry) -> None:
-        self._entries[corr_id] = entry
-
-    def pop(self, corr_id: CorrelationId) -> SessionEntry | None:
-        """Free the session of ``corr_id`` (END, or a START that replaces it); ``None`` if none was held."""
-        return self._entries.pop(corr_id, None)
-
-    def expire(self, *, force: bool = False) -> int:
-        """Drop every session idle past the TTL; runs at most once per TTL unless ``force``.
-
-        Returns:
-            how many sessions were dropped.
-        """
-        now = self._clock()
-        if not force and now < self._next_sweep:
-            return 0
-        self._next_sweep = now + self.ttl_s
-        stale = [k for k, e in self._entries.items() if now - e.last_used > self.ttl_s]
-        for k in stale:
-            del self._entries[k]
-        self.expired += len(stale)
-        return len(stale)
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by all sessions, in bytes (sum of ``Session.nbytes``)."""
-        return sum(int(e.session.nbytes) for e in self._entries.values())
+def default_quarantine_file() -> Path:
+    """``$TOKTIER_STATE_DIR/quarantine.json``, else ``~/.cache/toktier_backend/quarantine.json``."""
+    base = os.environ.get("TOKTIER_STATE_DIR") or os.environ.get("TOKTIER_CACHE_DIR") or Path.home() / ".cache" / "toktier_backend"
+    return Path(base) / "quarantine.json"
 
 
 # ---------------------------------------------------------------- handler
@@ -134,7 +66,10 @@ class Handler:
         name: how error messages name the tokenizer (its spec).
         max_text_bytes: cap, in UTF-8 bytes, on one ``TEXT`` element and on a session's whole text.
         session_ttl_s: idle TTL of the session store, in seconds.
+        session_budget_bytes: byte budget of the session store (``None`` or 0: unbounded).
         clock: monotonic clock in seconds, for the store.
+        verifier: a shadow ``Verifier`` for this tokenizer (``None``: replies are not sampled).
+        metrics: a ``serving.metrics.Metrics`` (``None``: nothing recorded).
     """
 
     def __init__(
@@ -144,27 +79,114 @@ class Handler:
         name: str = "tokenizer",
         max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES,
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+        session_budget_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        verifier: Any = None,
+        metrics: Any = None,
     ):
         if max_text_bytes <= 0:
             raise ValueError(f"max_text_bytes must be > 0, got {max_text_bytes!r}")
         self.tokenizer = tokenizer
         self.name = name
         self.max_text_bytes = int(max_text_bytes)
-        self.store = SessionStore(ttl_s=session_ttl_s, clock=clock)
+        self.metrics = metrics
+        self.verifier = verifier
+        self.store = SessionStore(ttl_s=session_ttl_s, max_bytes=session_budget_bytes, clock=clock,
+                                  on_evict=self._on_evict)
         self._lock = threading.Lock()
+        self._dropped_seen = 0
+        if verifier is not None and metrics is not None and verifier.on_result is None:
+            verifier.on_result = self._on_sample
 
     @classmethod
-    def from_spec(cls, spec: str, **kwargs: Any) -> "Handler":
+    def from_spec(cls, spec: str, *, sha256: str | None = None, engine: str = "auto", **kwargs: Any) -> "Handler":
         """Load the tokenizer named by ``spec`` (a ``tokenizer.json`` path, a folder holding one, a Hub id,
         or ``"default"`` for the bundled GPT-2 file) and build a handler for it.
 
+        Args:
+            sha256: pin of the file's sha256 (``None``: any file).
+            engine: ``"auto"``, ``"hf"``, or a fast engine name.
+
         Raises:
-            tt.UnsupportedTokenizer: the file cannot be served.
+            tt.UnsupportedTokenizer: the file cannot be served (malformed, unsupported, or not the pinned one).
         """
         if spec in ("", "default"):
             spec = tt.default_tokenizer_path()
-        return cls(tt.load_tokenizer(spec), name=str(spec), **kwargs)
+        return cls(tt.load_tokenizer(spec, sha256=sha256 or None, engine=engine), name=str(spec), **kwargs)
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str], *, session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+                        model: str = "toktier_session") -> "Handler":
+        """A handler from a model's ``config.pbtxt`` parameters (all strings; see ``model_repository/README.md``):
+        ``tokenizer``, ``tokenizer_sha256``, ``engine``, ``max_text_bytes``, ``session_budget_bytes``,
+        ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``.
+
+        Raises:
+            tt.UnsupportedTokenizer: the file cannot be served; the model then fails to load.
+            ValueError: a parameter is not a number where one is needed (names the parameter).
+        """
+
+        def num(key: str, default: str, kind=int):
+            raw = (params.get(key) or default).strip()
+            try:
+                return kind(raw)
+            except ValueError:
+                raise ValueError(f"model parameter {key}={raw!r} is not a valid {kind.__name__}") from None
+
+        handler = cls.from_spec(
+            params.get("tokenizer", "default"),
+            sha256=(params.get("tokenizer_sha256") or "").strip() or None,
+            engine=(params.get("engine") or "auto").strip(),
+            max_text_bytes=num("max_text_bytes", str(DEFAULT_MAX_TEXT_BYTES)),
+            session_ttl_s=session_ttl_s,
+            session_budget_bytes=num("session_budget_bytes", str(DEFAULT_SESSION_BUDGET_BYTES)),
+        )
+        from toktier_backend.pipeline.verifier import Verifier
+        from toktier_backend.serving.metrics import get_metrics
+
+        handler.metrics = get_metrics()
+        rate = num("verifier_rate", "0.01", float)
+        first_n = num("verifier_first_n", "32")
+        if rate > 0 or first_n > 0:
+            qfile = (params.get("quarantine_file") or "").strip() or str(default_quarantine_file())
+            handler.verifier = Verifier(
+                handler.tokenizer, rate=rate, first_n=first_n, queue_size=num("verifier_queue", "64"),
+                debug=(params.get("verifier_debug") or "false").strip().lower() in ("1", "true", "yes"),
+                quarantine_file=qfile, name=handler.name,
+                on_result=handler._on_sample if handler.metrics is not None else None,
+            )
+        if handler.metrics is not None:
+            handler.metrics.touch(model)
+        handler._refresh_gauges(model)
+        if model == "toktier_session":
+            handler.start_sweeper()
+        return handler
+
+    def start_sweeper(self, interval_s: float | None = None) -> None:
+        """Drop idle sessions every ``interval_s`` seconds (default ``min(TTL / 2, 30)``) on a daemon
+        thread, so memory is given back and the gauges are right even when no request arrives."""
+        if getattr(self, "_sweeper", None) is not None:
+            return
+        interval = interval_s if interval_s is not None else min(self.store.ttl_s / 2, 30.0)
+        self._stop = threading.Event()
+
+        def sweep():
+            while not self._stop.wait(interval):
+                with self._lock:
+                    self.store.expire(force=True)
+                    self._refresh_gauges("toktier_session")
+
+        self._sweeper = threading.Thread(target=sweep, name="toktier-session-sweeper", daemon=True)
+        self._sweeper.start()
+
+    def close(self) -> None:
+        """Stop the verifier and sweeper threads (``finalize``)."""
+        if getattr(self, "_sweeper", None) is not None:
+            self._stop.set()
+            self._sweeper.join(5)
+            self._sweeper = None
+        if self.verifier is not None:
+            self.verifier.close()
 
     # ------------------------------------------------------------ sessions
 
@@ -201,14 +223,33 @@ class Handler:
                 ``delta``, or a ``delta`` that changes ``add_special_tokens``. The session is unchanged.
             UnknownSession: ``delta`` for a correlation ID this server does not hold: resend ``full``.
         """
+        t0 = time.perf_counter()
         with self._lock:
             try:
-                if start:
-                    self.store.pop(corr_id)
-                return self._session_step(corr_id, text, mode, reply, add_special, start)
+                self._sync()
+                if start and self.store.get(corr_id, touch=False) is not None:  # an idle one counts as idle
+                    self.store.pop(corr_id, "start")
+                out, entry, mode = self._session_step(corr_id, text, mode, reply, add_special, start)
+            except ToktierError as e:
+                self._count_error("toktier_session", e)
+                raise
+            except Exception as e:
+                self._count_error("toktier_session", e)
+                raise
             finally:
                 if end:
                     self.store.pop(corr_id)
+            repair = getattr(entry.session, "last_repair", None)
+            route = _route(out)
+            if self.metrics is not None:
+                self.metrics.observe_reply("toktier_session", mode, route, time.perf_counter() - t0, repair)
+            if self.verifier is not None and self.verifier.wants():
+                ids = out["INPUT_ID"] if reply_is_full(out) else entry.session.ids
+                self.verifier.submit(entry.session.text, ids, add_special_tokens=entry.add_special_tokens,
+                                     route=route, cut=int(getattr(repair, "cut", 0) or 0),
+                                     engine=str(getattr(repair, "engine", "")))
+            self._refresh_gauges("toktier_session")
+            return out
 
     def handle_session_tensors(
         self, corr_id: CorrelationId, inputs: Mapping[str, np.ndarray | None], *, start: bool, end: bool
@@ -217,14 +258,15 @@ class Handler:
         ``ADD_SPECIAL_TOKENS``; shape [1] or [1, 1]). START/END are honoured even when the tensors are bad."""
         try:
             args = triton_io.session_args(inputs)
-        except ToktierError:
-            if start or end:
-                with self._lock:
-                    self.store.pop(corr_id)
+        except ToktierError as e:
+            with self._lock:
+                if start or end:
+                    self.store.pop(corr_id, "start" if start else None)
+                self._count_error("toktier_session", e)
             raise
         return self.handle_session(corr_id, **args, start=start, end=end)
 
-    def _session_step(self, corr_id, text, mode, reply, add_special, start) -> dict[str, np.ndarray]:
+    def _session_step(self, corr_id, text, mode, reply, add_special, start):
         self.store.expire()
         mode = _choice("MODE", mode, MODES)
         reply = _choice("REPLY", reply, REPLIES)
@@ -253,8 +295,9 @@ class Handler:
             if entry is None:
                 raise UnknownSession(
                     f"correlation ID {corr_id!r}: this server holds no session for it (never opened, ended, idle "
-                    f"longer than {self.store.ttl_s:g} s, or the server restarted), so MODE='delta' has no text "
-                    f"to append to. Resend the whole text with MODE='full' (tokenizer {self.name})."
+                    f"longer than {self.store.ttl_s:g} s, evicted under the session memory budget, or the server "
+                    f"restarted), so MODE='delta' has no text to append to. Resend the whole text with "
+                    f"MODE='full' (tokenizer {self.name})."
                 )
             if add_special is not None and bool(add_special) != entry.add_special_tokens:
                 raise InvalidRequest(
@@ -272,6 +315,7 @@ class Handler:
             ids = self._run(corr_id, entry, lambda s: s.append(value))
             entry.text_bytes = total
         entry.last_used = now
+        self.store.account(corr_id)  # re-measure; may evict least recently used sessions (or this one)
         repair = getattr(entry.session, "last_repair", None)
         keep = 0 if fresh or repair is None else int(repair.reused)
         route = "new" if repair is None else str(repair.route)
@@ -282,7 +326,7 @@ class Handler:
             "REQUEST_INPUT_LEN": np.array([n], dtype=np.int32),
             "KEEP": np.array([keep], dtype=np.int32),
             "ROUTE": np.array([route.encode()], dtype=np.object_),
-        }
+        }, entry, mode
 
     def _run(self, corr_id, entry: SessionEntry, step) -> np.ndarray:
         try:
@@ -292,7 +336,7 @@ class Handler:
         except BaseException:
             # The session may be half-updated: forget it, so the next delta gets NOT_FOUND and the client
             # resends the whole text (exact over available).
-            self.store.pop(corr_id)
+            self.store.pop(corr_id, "error")
             raise
 
     # ------------------------------------------------------------ stateless encode
@@ -311,9 +355,22 @@ class Handler:
         Raises:
             InvalidRequest: not UTF-8, lone surrogates, or over ``max_text_bytes``.
         """
-        self._check_size(text, None)
-        value = _decode(text, None, self.name)
-        ids = self.tokenizer.encode(value, add_special_tokens=True if add_special is None else bool(add_special))
+        t0 = time.perf_counter()
+        flag = True if add_special is None else bool(add_special)
+        try:
+            self._sync()
+            self._check_size(text, None)
+            value = _decode(text, None, self.name)
+            ids = self.tokenizer.encode(value, add_special_tokens=flag)
+        except Exception as e:
+            self._count_error("toktier_encode", e)
+            raise
+        if self.metrics is not None:
+            self.metrics.observe_reply("toktier_encode", "encode", "encode", time.perf_counter() - t0)
+        if self.verifier is not None and self.verifier.wants():
+            self.verifier.submit(value, ids, add_special_tokens=flag, route="encode",
+                                 engine=getattr(self.tokenizer.engine, "name", ""))
+        self._refresh_gauges("toktier_encode")
         return {
             "INPUT_ID": np.asarray(ids, dtype=np.int32),
             "REQUEST_INPUT_LEN": np.array([len(ids)], dtype=np.int32),
@@ -321,7 +378,42 @@ class Handler:
 
     def handle_encode_tensors(self, inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         """:meth:`handle_encode` from input tensors (``TEXT``, optional ``ADD_SPECIAL_TOKENS``)."""
-        return self.handle_encode(**triton_io.encode_args(inputs))
+        try:
+            args = triton_io.encode_args(inputs)
+        except ToktierError as e:
+            self._count_error("toktier_encode", e)
+            raise
+        return self.handle_encode(**args)
+
+    # ------------------------------------------------------------ verifier, metrics
+
+    def _sync(self) -> None:
+        if self.verifier is not None:
+            self.verifier.sync()  # quarantine file: at most one stat() per poll interval
+
+    def _count_error(self, model: str, exc: BaseException) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_error(model, triton_io.error_code(exc))
+
+    def _on_evict(self, corr_id, entry, cause: str) -> None:
+        if self.metrics is not None:
+            self.metrics.evictions.labels("toktier_session", cause).inc()
+
+    def _on_sample(self, sample, ok: bool) -> None:
+        """Verifier thread: count the check; on a mismatch refresh the quarantine gauges at once."""
+        model = "toktier_encode" if sample.route == "encode" else "toktier_session"
+        self.metrics.observe_sample(model, sample.route, ok)
+        self.metrics.set_state(model, verifier=self.verifier, tokenizer=None if ok else self.tokenizer)
+
+    def _refresh_gauges(self, model: str) -> None:
+        if self.metrics is None:
+            return
+        dropped = 0
+        if self.verifier is not None:
+            dropped = self.verifier.dropped - self._dropped_seen
+            self._dropped_seen += dropped
+        self.metrics.set_state(model, store=self.store if model == "toktier_session" else None,
+                               verifier=self.verifier, tokenizer=self.tokenizer, dropped_delta=dropped)
 
     # ------------------------------------------------------------ checks
 
@@ -335,6 +427,16 @@ class Handler:
                 f"Split the text, send deltas, or raise the model parameter max_text_bytes."
             )
         return size
+
+
+def _route(out: Mapping[str, np.ndarray]) -> str:
+    r = out["ROUTE"].reshape(-1)[0]
+    return r.decode() if isinstance(r, bytes) else str(r)
+
+
+def reply_is_full(out: Mapping[str, np.ndarray]) -> bool:
+    """Does ``INPUT_ID`` hold all ids (a full reply), not just those from ``KEEP`` on?"""
+    return len(out["INPUT_ID"]) == int(out["REQUEST_INPUT_LEN"].reshape(-1)[0])
 
 
 def _decode(raw: bytes | str, corr_id: CorrelationId | None, name: str) -> str:
