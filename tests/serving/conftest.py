@@ -29,6 +29,23 @@ def tokenizer_file(name: str) -> Path:
     return p
 
 
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """A Prometheus text endpoint as ``{(sample name, frozenset(label items)): value}``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
 @lru_cache(maxsize=None)
 def _reference(path: str) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(path)
@@ -73,10 +90,12 @@ def native(tmp_path_factory):
     _need_serving_deps()
     from toktier_backend.serving.server import TritonServer
 
-    log = tmp_path_factory.mktemp("native") / "tritonserver.log"
+    tmp = tmp_path_factory.mktemp("native")
+    log = tmp / "tritonserver.log"
     server = TritonServer(
         str(BUNDLED), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=IDLE_S,
-        max_text_bytes=MAX_TEXT_BYTES, log_path=log, exit_timeout_s=3,
+        max_text_bytes=MAX_TEXT_BYTES, log_path=log, exit_timeout_s=3, toktier_metrics_port=0,
+        parameters={"quarantine_file": str(tmp / "quarantine.json")},
     )
     _start(server, tmp_path_factory)
     yield server

@@ -22,7 +22,67 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     _add_arguments(p)
     p.set_defaults(func=run_serve)
+    _add_ops_parsers(subparsers)
     return p
+
+
+def _add_ops_parsers(subparsers) -> None:
+    """``toktier quarantine ...`` and ``toktier metrics ...`` (operations of a running server)."""
+    q = subparsers.add_parser(
+        "quarantine",
+        help="list or clear routes the shadow verifier quarantined",
+        description=(
+            "The shadow verifier quarantines a fast route (full, append, edit) per tokenizer file and engine "
+            "build when a sampled reply disagrees with the HF reference; it stays quarantined (served by the "
+            "reference) until cleared here. Every model instance re-reads the file within a second."
+        ),
+    )
+    q.add_argument("action", choices=("list", "clear", "add"))
+    q.add_argument("--file", default=None, help="quarantine file (default: the models' default, "
+                   "$TOKTIER_STATE_DIR or ~/.cache/toktier_backend/quarantine.json)")
+    q.add_argument("--key", default=None, help="build key or a prefix of it, e.g. the tokenizer sha256 (default: all)")
+    q.add_argument("--route", default=None, choices=("full", "append", "edit"), help="one route (default: all)")
+    q.add_argument("--reason", default="operator", help="for add")
+    q.set_defaults(func=run_quarantine)
+    m = subparsers.add_parser("metrics", help="serve the aggregated toktier_* metrics of a tritonserver's instances")
+    m.add_argument("--multiproc-dir", default=None, help="the instances' PROMETHEUS_MULTIPROC_DIR")
+    m.add_argument("--host", default="127.0.0.1")
+    m.add_argument("--port", type=int, default=8003)
+    m.set_defaults(func=run_metrics)
+
+
+def run_quarantine(args: argparse.Namespace) -> int:
+    import json
+
+    from toktier_backend.pipeline.verifier import QuarantineFile
+    from toktier_backend.serving.handler import default_quarantine_file
+
+    f = QuarantineFile(args.file or default_quarantine_file())
+    if args.action == "list":
+        print(json.dumps(f.load(), indent=2, sort_keys=True))
+    elif args.action == "clear":
+        released = f.clear(args.key, args.route)
+        for key, route in released:
+            print(f"released {route} for {key}")
+        print(f"{len(released)} route(s) released in {f.path}")
+    else:
+        if not args.key or not args.route:
+            print("toktier quarantine add needs --key (full build key) and --route", file=sys.stderr)
+            return 2
+        import time
+
+        f.add(args.key, args.route, {"reason": args.reason, "since": time.time()})
+        print(f"quarantined {args.route} for {args.key} in {f.path}")
+    return 0
+
+
+def run_metrics(args: argparse.Namespace) -> int:
+    from toktier_backend.serving.metrics import main
+
+    argv = ["--host", args.host, "--port", str(args.port)]
+    if args.multiproc_dir:
+        argv += ["--multiproc-dir", args.multiproc_dir]
+    return main(argv)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +99,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="override the sequence batcher's max_sequence_idle_microseconds (= session TTL), in seconds",
     )
+    p.add_argument("--toktier-metrics-port", type=int, default=8003,
+                   help="port of the aggregated toktier_* Prometheus metrics (default 8003, next to Triton's "
+                        "--metrics-port; 0 picks a free port, -1 serves none)")
+    p.add_argument("--tokenizer-sha256", default=None, help="refuse to serve a tokenizer file with another sha256")
+    p.add_argument("--session-budget-bytes", type=int, default=None,
+                   help="byte budget of each instance's sessions, LRU-evicted beyond it (default 1 GiB; 0 = unbounded)")
+    p.add_argument("--verifier-rate", type=float, default=None,
+                   help="share of replies the shadow verifier re-checks with the HF reference (default 0.01)")
+    p.add_argument("--verifier-first-n", type=int, default=None,
+                   help="replies always checked per tokenizer/engine build (default 32)")
+    p.add_argument("--verifier-debug", action="store_true", help="log the differing text of a mismatch (default redacted)")
+    p.add_argument("--quarantine-file", default=None, help="quarantine file shared by the instances (see toktier quarantine)")
     p.add_argument("--pytriton", action="store_true", help="serve the same handler through PyTriton instead")
     p.add_argument("--tritonserver", default=None, help="another tritonserver binary with its own Python backend")
 
@@ -57,7 +129,25 @@ def run_serve(args: argparse.Namespace) -> int:
         session_idle_s=args.session_idle_seconds,
         pytriton=args.pytriton,
         tritonserver=args.tritonserver,
+        toktier_metrics_port=None if args.toktier_metrics_port < 0 else args.toktier_metrics_port,
+        parameters=_parameters(args),
     )
+
+
+def _parameters(args: argparse.Namespace) -> dict[str, str]:
+    """Model parameters set on the command line (the others keep config.pbtxt's values)."""
+    out: dict[str, str] = {}
+    for key, value in (
+        ("tokenizer_sha256", args.tokenizer_sha256),
+        ("session_budget_bytes", args.session_budget_bytes),
+        ("verifier_rate", args.verifier_rate),
+        ("verifier_first_n", args.verifier_first_n),
+        ("verifier_debug", "true" if args.verifier_debug else None),
+        ("quarantine_file", args.quarantine_file),
+    ):
+        if value is not None:
+            out[key] = str(value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

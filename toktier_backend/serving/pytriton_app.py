@@ -105,8 +105,12 @@ def create(
     max_text_bytes: int | None = None,
     session_idle_s: float | None = None,
     log_path: str | Path | None = None,
+    parameters: dict[str, str] | None = None,
 ):
     """Build a ``pytriton.triton.Triton`` with both models bound (not started: call ``.run()``).
+
+    ``parameters`` are the model parameters of ``model_repository`` (``tokenizer_sha256``,
+    ``session_budget_bytes``, ``verifier_rate``, ...; see ``Handler.from_parameters``).
 
     Returns:
         ``(triton, handler)``.
@@ -115,9 +119,8 @@ def create(
     from pytriton.triton import Triton, TritonConfig
 
     _prepend_libdir()
-    handler = Handler.from_spec(
-        tokenizer,
-        max_text_bytes=max_text_bytes or DEFAULT_MAX_TEXT_BYTES,
+    handler = Handler.from_parameters(
+        {**(parameters or {}), "tokenizer": tokenizer, "max_text_bytes": str(max_text_bytes or DEFAULT_MAX_TEXT_BYTES)},
         session_ttl_s=session_idle_s or DEFAULT_SESSION_TTL_S,
     )
     config = TritonConfig(

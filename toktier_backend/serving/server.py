@@ -134,6 +134,7 @@ def prepare_repository(
     source: str | Path | None = None,
     max_text_bytes: int | None = None,
     session_idle_s: float | None = None,
+    parameters: dict[str, str] | None = None,
 ) -> Path:
     """Copy a model repository and substitute the serve-time settings in each ``config.pbtxt``.
 
@@ -144,6 +145,8 @@ def prepare_repository(
         max_text_bytes: value for the ``max_text_bytes`` parameter, in UTF-8 bytes (``None`` keeps it).
         session_idle_s: ``max_sequence_idle_microseconds`` in seconds, for models with a sequence batcher
             (``None`` keeps it); the session store's TTL follows it.
+        parameters: more model parameters to substitute (``session_budget_bytes``, ``tokenizer_sha256``,
+            ``verifier_rate``, ``quarantine_file``, ...), in every config that declares them.
 
     Returns:
         the new repository path.
@@ -165,6 +168,9 @@ def prepare_repository(
             text = _set_parameter(text, "tokenizer", spec)
         if max_text_bytes is not None and '"max_text_bytes"' in text:
             text = _set_parameter(text, "max_text_bytes", str(int(max_text_bytes)))
+        for key, value in (parameters or {}).items():
+            if f'"{key}"' in text:
+                text = _set_parameter(text, key, str(value))
         if session_idle_s is not None and "max_sequence_idle_microseconds" in text:
             us = max(1, int(round(session_idle_s * 1e6)))
             text = re.sub(r"max_sequence_idle_microseconds:\s*\d+", f"max_sequence_idle_microseconds: {us}", text)
@@ -222,6 +228,12 @@ class TritonServer:
         tritonserver: a ``tritonserver`` binary with its own Python backend (e.g. NGC's
             ``/opt/tritonserver/bin/tritonserver``); default: the one in ``nvidia-pytriton``.
         exit_timeout_s: seconds to wait for in-flight requests on stop before SIGKILL.
+        toktier_metrics_port: port of the ``toktier_*`` metrics exporter run in this process (aggregating
+            every instance through ``PROMETHEUS_MULTIPROC_DIR``); ``0`` picks a free one, ``None`` (the
+            default here; ``toktier serve`` uses 8003) runs none.
+        parameters: model parameters to substitute (``session_budget_bytes``, ``tokenizer_sha256``,
+            ``verifier_rate``, ``verifier_first_n``, ``verifier_debug``, ``quarantine_file``, ``engine``).
+        env: extra environment variables for tritonserver and its stubs.
     """
 
     def __init__(
@@ -238,8 +250,15 @@ class TritonServer:
         log_path: str | Path | None = None,
         tritonserver: str | Path | None = None,
         exit_timeout_s: float = 10.0,
+        toktier_metrics_port: int | None = None,
+        parameters: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
     ):
-        ports = free_ports(3, host)
+        ports = free_ports(4, host)
+        self.toktier_metrics_port = None if toktier_metrics_port is None else (toktier_metrics_port or ports[3])
+        self.parameters = dict(parameters or {})
+        self.env = dict(env or {})
+        self._exporter = None
         self.host = host
         self.http_port = http_port or ports[0]
         self.grpc_port = grpc_port or ports[1]
@@ -267,6 +286,13 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def toktier_metrics_url(self) -> str | None:
+        """``toktier_*`` metrics of all instances (``None`` when no exporter runs)."""
+        if self.toktier_metrics_port is None:
+            return None
+        return f"http://{self.host}:{self.toktier_metrics_port}/metrics"
 
     # lifecycle -------------------------------------------------------
     def command(self, repository: Path, backends: Path | None) -> list[str]:
@@ -302,6 +328,7 @@ class TritonServer:
             source=self.model_repository,
             max_text_bytes=self.max_text_bytes,
             session_idle_s=self.session_idle_s,
+            parameters=self.parameters,
         )
         libs: list[Path] = []
         backends: Path | None = None
@@ -312,6 +339,13 @@ class TritonServer:
             shutil.copy2(dist.python_stub, backends / "python" / "triton_python_backend_stub")
             libs.append(dist.libs)
         env = stub_environment(libs)
+        env.update(self.env)
+        # toktier_* metrics: every instance (a process) writes to this folder; one exporter aggregates it
+        metrics_dir = self.workdir / "metrics"
+        metrics_dir.mkdir()
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        if self.toktier_metrics_port is not None:
+            self._start_exporter(metrics_dir)
         if self.log_path is not None:
             self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
@@ -349,6 +383,10 @@ class TritonServer:
             tritonserver's exit code, or ``None`` if it was not running.
         """
         code = None
+        if self._exporter is not None:
+            self._exporter.shutdown()
+            self._exporter.server_close()
+            self._exporter = None
         if self.process is not None:
             if self.process.poll() is None:
                 self.process.send_signal(signal.SIGINT)
@@ -369,6 +407,17 @@ class TritonServer:
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def _start_exporter(self, metrics_dir: Path) -> None:
+        try:
+            from toktier_backend.serving.metrics import start_exporter
+        except ImportError:  # pragma: no cover - prometheus_client is in the serve extra
+            return
+        try:
+            self._exporter, _ = start_exporter(self.toktier_metrics_port, self.host, multiproc_dir=metrics_dir)
+        except ImportError:
+            print("toktier serve: prometheus_client is not installed: no toktier_* metrics "
+                  "(pip install 'toktier_backend[serve]')", file=sys.stderr, flush=True)
 
     def _log_tail(self, n: int = 4000) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -401,22 +450,28 @@ class PyTritonServer:
         max_text_bytes: int | None = None,
         session_idle_s: float | None = None,
         log_path: str | Path | None = None,
+        toktier_metrics_port: int | None = None,
+        parameters: dict[str, str] | None = None,
     ):
-        ports = free_ports(3, host)
+        ports = free_ports(4, host)
         self.host = host
         self.http_port = http_port or ports[0]
         self.grpc_port = grpc_port or ports[1]
         self.metrics_port = metrics_port or ports[2]
+        self.toktier_metrics_port = None if toktier_metrics_port is None else (toktier_metrics_port or ports[3])
+        self.parameters = dict(parameters or {})
         self.tokenizer = tokenizer
         self.max_text_bytes = max_text_bytes
         self.session_idle_s = session_idle_s
         self.log_path = Path(log_path) if log_path else None
         self.triton = None
         self.handler = None
+        self._exporter = None
 
     http_url = TritonServer.http_url
     grpc_url = TritonServer.grpc_url
     metrics_url = TritonServer.metrics_url
+    toktier_metrics_url = TritonServer.toktier_metrics_url
 
     def start(self) -> "PyTritonServer":
         from toktier_backend.serving import pytriton_app
@@ -430,7 +485,12 @@ class PyTritonServer:
             max_text_bytes=self.max_text_bytes,
             session_idle_s=self.session_idle_s,
             log_path=self.log_path,
+            parameters=self.parameters,
         )
+        if self.toktier_metrics_port is not None:  # in-process handler: the default registry
+            from toktier_backend.serving.metrics import start_exporter
+
+            self._exporter, _ = start_exporter(self.toktier_metrics_port, self.host)
         self.triton.run()  # returns once the models are ready
         return self
 
@@ -444,9 +504,15 @@ class PyTritonServer:
         return self
 
     def stop(self) -> None:
+        if self._exporter is not None:
+            self._exporter.shutdown()
+            self._exporter.server_close()
+            self._exporter = None
         if self.triton is not None:
             self.triton.stop()
             self.triton = None
+        if self.handler is not None:
+            self.handler.close()
 
     def is_alive(self) -> bool:
         return self.triton is not None and self.triton.is_alive()
@@ -474,6 +540,8 @@ def serve(
     pytriton: bool = False,
     tritonserver: str | Path | None = None,
     ready_timeout_s: float = 300.0,
+    toktier_metrics_port: int | None = 8003,
+    parameters: dict[str, str] | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT, then stop cleanly. Returns the process exit code (0 on a clean stop)."""
     if pytriton:
@@ -485,6 +553,8 @@ def serve(
             metrics_port=metrics_port,
             max_text_bytes=max_text_bytes,
             session_idle_s=session_idle_s,
+            toktier_metrics_port=toktier_metrics_port,
+            parameters=parameters,
         )
     else:
         server = TritonServer(
@@ -497,6 +567,8 @@ def serve(
             max_text_bytes=max_text_bytes,
             session_idle_s=session_idle_s,
             tritonserver=tritonserver,
+            toktier_metrics_port=toktier_metrics_port,
+            parameters=parameters,
         )
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -506,7 +578,8 @@ def serve(
         face = "PyTriton" if pytriton else f"tritonserver pid {server.process.pid}"
         print(
             f"toktier serve ({face}, tokenizer {tokenizer}): ready — "
-            f"HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}",
+            f"HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}"
+            + (f"  toktier metrics {server.toktier_metrics_url}" if getattr(server, "toktier_metrics_url", None) else ""),
             flush=True,
         )
         while not stop.wait(0.5):

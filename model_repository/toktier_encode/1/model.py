@@ -24,10 +24,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = triton_io.model_parameters(config)
         self.batched = triton_io.is_batched(config)
-        self.handler = Handler.from_spec(
-            params.get("tokenizer", "default"),
-            max_text_bytes=int(params.get("max_text_bytes", "16777216")),
-        )
+        # tokenizer (+ sha256 pin), size limit, shadow verifier: see model_repository/README.md
+        self.handler = Handler.from_parameters(params, model="toktier_encode")
 
     def execute(self, requests):
         responses = []
@@ -44,4 +42,6 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
+        if self.handler is not None:
+            self.handler.close()  # stops the shadow verifier's thread
         self.handler = None

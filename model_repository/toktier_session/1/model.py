@@ -29,10 +29,9 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = triton_io.model_parameters(config)
         self.batched = triton_io.is_batched(config)
-        self.handler = Handler.from_spec(
-            params.get("tokenizer", "default"),
-            max_text_bytes=int(params.get("max_text_bytes", "16777216")),
-            session_ttl_s=triton_io.sequence_idle_seconds(config, DEFAULT_SESSION_TTL_S),
+        # tokenizer (+ sha256 pin), size limits, session budget, shadow verifier: see model_repository/README.md
+        self.handler = Handler.from_parameters(
+            params, session_ttl_s=triton_io.sequence_idle_seconds(config, DEFAULT_SESSION_TTL_S), model="toktier_session"
         )
 
     def execute(self, requests):
@@ -54,4 +53,6 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
+        if self.handler is not None:
+            self.handler.close()  # stops the shadow verifier's thread
         self.handler = None

@@ -1,0 +1,280 @@
+"""``toktier_*`` Prometheus metrics (``prometheus_client``, in the ``serve`` extra), next to Triton's own.
+
+Triton's ``:8002`` serves ``nv_*`` metrics (requests, queue and compute time per model). These add what only
+the handler knows: routes, repairs, fallbacks, the shadow verifier, sessions and their memory.
+
+**One port for all instances: multiprocess mode.** Each Python-backend model instance is its own process
+(``toktier_session`` has two, ``toktier_encode`` one). Rather than one port per instance (which Prometheus
+would have to discover, and which changes with ``instance_group``), every instance writes its samples to
+memory-mapped files in ``$PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode) and one
+exporter aggregates them on one port: ``toktier serve --toktier-metrics-port`` (default 8003) runs it in the
+launching process; other deployments run ``toktier metrics --multiproc-dir DIR --port 8003`` beside
+tritonserver (same ``PROMETHEUS_MULTIPROC_DIR`` in tritonserver's environment). Counters survive an
+instance restart; gauges (``live*`` modes) drop the samples of instances that are gone. Without the
+environment variable (PyTriton face, tests, the library) metrics go to the default in-process registry.
+
+Metrics (``model`` is ``toktier_session`` or ``toktier_encode``):
+
+=========================================  =========  ==========================================================
+name                                       type       labels / meaning
+=========================================  =========  ==========================================================
+toktier_requests_total                     counter    model, route, mode (full | delta | encode)
+toktier_request_errors_total               counter    model, code (INVALID_ARG | NOT_FOUND | UNAVAILABLE | INTERNAL)
+toktier_request_duration_seconds           histogram  model, route: handler time per request
+toktier_repair_window_widenings            histogram  model: doublings of the repair window per repair
+toktier_fallbacks_total                    counter    model, reason (guarded | engine_error | quarantined | no_cut | offset_check)
+toktier_tokens_total                       counter    model, kind (reused | reencoded)
+toktier_verifier_samples_total             counter    model, result (match | mismatch)
+toktier_verifier_mismatches_total          counter    model, route
+toktier_verifier_dropped_total             counter    model: samples dropped, queue full
+toktier_verifier_queue_depth               gauge      model
+toktier_quarantined_routes                 gauge      model, route: 1 while quarantined
+toktier_sessions                           gauge      model: sessions held
+toktier_session_memory_bytes               gauge      model: bytes charged for them (``Session.nbytes`` + overhead)
+toktier_session_budget_bytes               gauge      model: the byte budget (summed over instances)
+toktier_session_evictions_total            counter    model, cause (idle | budget | start | error)
+toktier_cpu_pool_queue_depth               gauge      model: tasks waiting in the shared CPU pool
+toktier_cpu_pool_wait_seconds              gauge      model, priority, stat (mean | p50 | p99 | max): submission to start
+=========================================  =========  ==========================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+DEFAULT_TOKTIER_METRICS_PORT = 8003
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WIDENING_BUCKETS = (0, 1, 2, 3, 4, 5, 6)
+
+_instance: "Metrics | None" = None
+
+
+def get_metrics() -> "Metrics | None":
+    """The process-wide :class:`Metrics` on the default registry (created once), or ``None`` when
+    ``prometheus_client`` is not installed (the handler then records nothing)."""
+    global _instance
+    if _instance is None:
+        try:
+            _instance = Metrics()
+        except ImportError:
+            log.warning("prometheus_client is not installed: no toktier_* metrics (pip install 'toktier_backend[serve]')")
+            return None
+    return _instance
+
+
+class Metrics:
+    """The ``toktier_*`` metric objects.
+
+    Args:
+        registry: a ``prometheus_client.CollectorRegistry`` (default: the global one; in multiprocess mode
+            the values go to ``$PROMETHEUS_MULTIPROC_DIR`` regardless).
+        pool_stats: a callable returning the CPU pool's ``stats()`` dict (default: the shared pool of
+            ``toktier_backend.parallel``, when that module is in use).
+    """
+
+    def __init__(self, registry: Any = None, *, pool_stats: Callable[[], dict | None] | None = None):
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+        reg = REGISTRY if registry is None else registry
+        self.requests = Counter("toktier_requests", "Requests served, by route and mode.",
+                                ["model", "route", "mode"], registry=reg)
+        self.errors = Counter("toktier_request_errors", "Requests answered with an error, by Triton error code.",
+                              ["model", "code"], registry=reg)
+        self.latency = Histogram("toktier_request_duration_seconds", "Handler time per request, by route.",
+                                 ["model", "route"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.widenings = Histogram("toktier_repair_window_widenings",
+                                   "Doublings of the repair window per repair (6 = no stable cut: full encode).",
+                                   ["model"], buckets=WIDENING_BUCKETS, registry=reg)
+        self.fallbacks = Counter("toktier_fallbacks", "Requests the fast path handed to the reference or a full "
+                                 "encode, by reason.", ["model", "reason"], registry=reg)
+        self.tokens = Counter("toktier_tokens", "Ids reused from the previous reply vs re-encoded.",
+                              ["model", "kind"], registry=reg)
+        self.verifier_samples = Counter("toktier_verifier_samples", "Replies checked by the shadow verifier.",
+                                        ["model", "result"], registry=reg)
+        self.verifier_mismatches = Counter("toktier_verifier_mismatches", "Shadow verifier mismatches, by route.",
+                                           ["model", "route"], registry=reg)
+        self.verifier_dropped = Counter("toktier_verifier_dropped", "Samples dropped because the verifier queue "
+                                        "was full.", ["model"], registry=reg)
+        self.verifier_queue = Gauge("toktier_verifier_queue_depth", "Samples waiting for the verifier.",
+                                    ["model"], registry=reg, multiprocess_mode="livesum")
+        self.quarantined = Gauge("toktier_quarantined_routes", "1 while the route is quarantined (served by the "
+                                 "reference).", ["model", "route"], registry=reg, multiprocess_mode="livemax")
+        self.sessions = Gauge("toktier_sessions", "Sessions held.", ["model"], registry=reg,
+                              multiprocess_mode="livesum")
+        self.session_bytes = Gauge("toktier_session_memory_bytes", "Bytes charged for held sessions.", ["model"],
+                                   registry=reg, multiprocess_mode="livesum")
+        self.session_budget = Gauge("toktier_session_budget_bytes", "Session byte budget (0: unbounded).",
+                                    ["model"], registry=reg, multiprocess_mode="livesum")
+        self.evictions = Counter("toktier_session_evictions", "Sessions dropped other than by END, by cause.",
+                                 ["model", "cause"], registry=reg)
+        self.pool_queue = Gauge("toktier_cpu_pool_queue_depth", "Tasks waiting in the shared CPU pool.",
+                                ["model"], registry=reg, multiprocess_mode="livesum")
+        self.pool_wait = Gauge("toktier_cpu_pool_wait_seconds", "CPU pool wait (submission to start).",
+                               ["model", "priority", "stat"], registry=reg, multiprocess_mode="livemax")
+        self.pool_stats = pool_stats or _shared_pool_stats
+
+    # ------------------------------------------------------------ recording
+
+    def touch(self, model: str) -> None:
+        """Export the counters a healthy server may never increment, at 0 (so alerts see the series)."""
+        self.verifier_dropped.labels(model)
+        self.verifier_samples.labels(model, "mismatch")
+        if model == "toktier_session":
+            for cause in ("idle", "budget", "start", "error"):
+                self.evictions.labels(model, cause)
+
+    def observe_reply(self, model: str, mode: str, route: str, seconds: float, repair: Any = None) -> None:
+        """One successful request: route/mode count, latency, and what the repair did (``RepairInfo``)."""
+        self.requests.labels(model, route, mode).inc()
+        self.latency.labels(model, route).observe(seconds)
+        if repair is None:
+            return
+        if route in ("append", "edit", "full") and getattr(repair, "departure", 0) > 0:
+            self.widenings.labels(model).observe(int(repair.widenings))
+        reason = getattr(repair, "fallback", "")
+        if reason:
+            self.fallbacks.labels(model, reason).inc()
+        if repair.reused:
+            self.tokens.labels(model, "reused").inc(int(repair.reused))
+        if repair.reencoded:
+            self.tokens.labels(model, "reencoded").inc(int(repair.reencoded))
+
+    def observe_error(self, model: str, code: str) -> None:
+        self.errors.labels(model, code).inc()
+
+    def observe_sample(self, model: str, route: str, ok: bool) -> None:
+        self.verifier_samples.labels(model, "match" if ok else "mismatch").inc()
+        if not ok:
+            self.verifier_mismatches.labels(model, route).inc()
+
+    def set_state(self, model: str, *, store: Any = None, verifier: Any = None, tokenizer: Any = None,
+                  dropped_delta: int = 0) -> None:
+        """Refresh the gauges from the live objects (cheap: O(1) each)."""
+        if store is not None:
+            self.sessions.labels(model).set(len(store))
+            self.session_bytes.labels(model).set(store.nbytes)
+            self.session_budget.labels(model).set(store.max_bytes or 0)
+        if verifier is not None:
+            self.verifier_queue.labels(model).set(verifier.queue_depth)
+        if dropped_delta:
+            self.verifier_dropped.labels(model).inc(dropped_delta)
+        if tokenizer is not None:
+            q = getattr(tokenizer, "quarantined", {})
+            for route in ("full", "append", "edit"):
+                self.quarantined.labels(model, route).set(1 if route in q else 0)
+        self._set_pool(model)
+
+    def _set_pool(self, model: str) -> None:
+        try:
+            stats = self.pool_stats()
+        except Exception:  # a metrics source must never fail a request
+            return
+        if not stats:
+            return
+        self.pool_queue.labels(model).set(stats.get("queue_depth", 0))
+        for prio, s in (stats.get("by_priority") or {}).items():
+            for stat in ("mean", "p50", "p99", "max"):
+                v = s.get(f"wait_ms_{stat}")
+                if v is not None:
+                    self.pool_wait.labels(model, prio, stat).set(v / 1e3)
+
+
+def _shared_pool_stats() -> dict | None:
+    """``toktier_backend.parallel``'s shared pool ``stats()`` once that module has created it; else None
+    (this never creates a pool)."""
+    mod = sys.modules.get("toktier_backend.parallel")
+    pool = getattr(mod, "_shared", None) if mod is not None else None
+    return pool.stats() if pool is not None and hasattr(pool, "stats") else None
+
+
+# ---------------------------------------------------------------- the exporter
+
+
+_DB = re.compile(r"^(?:gauge_live\w+|gauge_\w+|counter|histogram|summary)_(\d+)\.db$")
+
+
+def _mark_dead_processes(path: Path) -> None:
+    """``mark_process_dead`` for every pid with files in ``path`` that no longer runs (its ``live*``
+    gauges then vanish from the aggregate; counters stay)."""
+    from prometheus_client import multiprocess
+
+    pids = set()
+    for f in path.glob("gauge_live*.db"):
+        m = _DB.match(f.name)
+        if m:
+            pids.add(int(m.group(1)))
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, str(path))
+        except PermissionError:
+            pass
+
+
+class _LiveMultiProcessCollector:
+    def __init__(self, path: Path):
+        from prometheus_client import multiprocess
+
+        self.path = path
+        self._inner = multiprocess.MultiProcessCollector(None, path=str(path))
+
+    def collect(self):
+        _mark_dead_processes(self.path)
+        return self._inner.collect()
+
+
+def multiprocess_registry(path: str | os.PathLike):
+    """A registry that aggregates the multiprocess files in ``path`` (dead instances' gauges removed)."""
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    reg.register(_LiveMultiProcessCollector(Path(path)))
+    return reg
+
+
+def start_exporter(port: int, host: str = "127.0.0.1", *, multiproc_dir: str | os.PathLike | None = None):
+    """Serve ``/metrics`` on ``host:port`` in a daemon thread: the multiprocess aggregate of
+    ``multiproc_dir``, or the default registry. Returns ``(server, thread)``; ``server.shutdown()`` stops it.
+    """
+    from prometheus_client import REGISTRY, start_http_server
+
+    reg = multiprocess_registry(multiproc_dir) if multiproc_dir else REGISTRY
+    return start_http_server(port, addr=host, registry=reg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``toktier metrics``: the aggregating exporter for a tritonserver started by other means."""
+    import argparse
+    import signal
+    import threading
+
+    ap = argparse.ArgumentParser(prog="toktier metrics", description=main.__doc__)
+    ap.add_argument("--multiproc-dir", default=os.environ.get(MULTIPROC_ENV),
+                    help=f"the {MULTIPROC_ENV} of the tritonserver's instances")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=DEFAULT_TOKTIER_METRICS_PORT)
+    args = ap.parse_args(argv)
+    if not args.multiproc_dir:
+        ap.error(f"--multiproc-dir (or {MULTIPROC_ENV}) is required")
+    server, _ = start_exporter(args.port, args.host, multiproc_dir=args.multiproc_dir)
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    print(f"toktier metrics: http://{args.host}:{args.port}/metrics ({args.multiproc_dir})", flush=True)
+    stop.wait()
+    server.shutdown()
+    return 0
+
+
+__all__ = ["DEFAULT_TOKTIER_METRICS_PORT", "MULTIPROC_ENV", "Metrics", "get_metrics", "multiprocess_registry",
+           "start_exporter"]
