@@ -210,6 +210,8 @@ class Tokenizer:
         self.quarantined[route] = reason
         if new:
             self.quarantine_epoch += 1
+            if self.prefix_index is not None:  # indexed ids may come from the quarantined route
+                self.prefix_index.clear()
             log.error("route %r quarantined for %s (sha256 %s): %s", route, self.spec.path, self.spec.sha256[:16], reason)
         return new
 
@@ -258,7 +260,7 @@ class Tokenizer:
         Texts shorter than two index steps skip the index.
         """
         idx = self.prefix_index
-        if idx is None or len(text) < 2 * idx.step:
+        if idx is None or self.quarantined or len(text) < 2 * idx.step:  # no cross-session reuse under quarantine
             return self.encode_body(text)
         hit = idx.lookup(text)
         if hit is None:

@@ -167,3 +167,20 @@ def test_quarantine_file_reaches_other_instances_and_operator_clears(tok, tmp_pa
 def test_quarantine_rejects_unknown_route(tok):
     with pytest.raises(ValueError, match="fast routes"):
         tok.quarantine("noop", "x")
+
+
+def test_quarantine_drops_prefix_reuse(tok):
+    """Cross-session prefix reuse (``pipeline/prefix_index.py``) may hold ids from the route being
+    quarantined: the index is cleared, and skipped while any route is quarantined."""
+    if tok.prefix_index is None:
+        pytest.skip("no prefix index for this file")
+    install(tok)
+    step = tok.prefix_index.step
+    head = f"{TRIGGER}" + "".join(f"line {i} of the shared prefix\n" for i in range(3 * step // 28 + 8))
+    first = tok.encode(head + "first tail")
+    tok.prefix_index.drain()
+    assert len(tok.prefix_index) > 0
+    assert first.tolist() != ref(tok, head + "first tail")  # the faulty engine's ids, now indexed
+    tok.quarantine("full", "test")
+    assert len(tok.prefix_index) == 0
+    assert tok.encode(head + "second tail").tolist() == ref(tok, head + "second tail")

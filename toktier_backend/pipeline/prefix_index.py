@@ -115,6 +115,13 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._nodes)
 
+    def clear(self) -> None:
+        """Forget every indexed prefix (a route was quarantined: the ids may come from a wrong engine)."""
+        with self._lock:
+            self._nodes.clear()
+            self._by_fp.clear()
+            self.nbytes = 0
+
     def stats(self) -> dict:
         """Counters for metrics: nodes, bytes, hits, misses, collisions, evictions, chars_reused."""
         return {"nodes": len(self._nodes), "bytes": self.nbytes, "hits": self.hits, "misses": self.misses,
