@@ -31,19 +31,16 @@ def tokenizer_file(name: str) -> Path:
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     """A Prometheus text endpoint as ``{(sample name, frozenset(label items)): value}``."""
-    import urllib.request
+    from toktier_backend.serving.metrics import scrape as _scrape
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    body = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(body) for s in fam.samples}
+    return _scrape(url)
 
 
 def metric(samples: dict, name: str, **labels) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+    from toktier_backend.serving.metrics import metric as _metric
+
+    return _metric(samples, name, **labels)
 
 
 @lru_cache(maxsize=None)

@@ -196,6 +196,26 @@ def _shared_pool_stats() -> dict | None:
     return pool.stats() if pool is not None and hasattr(pool, "stats") else None
 
 
+# ---------------------------------------------------------------- reading (tests, soak, dashboards)
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> dict[tuple[str, frozenset], float]:
+    """A Prometheus text endpoint as ``{(sample name, frozenset(label items)): value}``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
 # ---------------------------------------------------------------- the exporter
 
 
@@ -276,5 +296,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_TOKTIER_METRICS_PORT", "MULTIPROC_ENV", "Metrics", "get_metrics", "multiprocess_registry",
-           "start_exporter"]
+__all__ = ["DEFAULT_TOKTIER_METRICS_PORT", "MULTIPROC_ENV", "Metrics", "get_metrics", "metric", "multiprocess_registry",
+           "scrape", "start_exporter"]
