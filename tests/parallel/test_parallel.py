@@ -322,3 +322,35 @@ def test_repair_submitted_during_long_encode_finishes_first(corpus_texts):
 def test_shared_pool_is_one_per_process():
     assert parallel.shared_pool() is parallel.shared_pool()
     assert ChunkedEncoder(load("gpt2")).pool is parallel.shared_pool()
+
+
+def test_pool_nice_lowers_only_worker_threads():
+    import os
+
+    p = CpuPool(1, nice=5, name="test-nice")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    worker_nice = p.call(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert worker_nice == min(19, base + 5)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+    p.shutdown()
+
+
+def test_handler_runs_sessions_and_chunks_on_its_pool(corpus_text):
+    from toktier_backend.serving.handler import Handler
+
+    tok = tt.load_tokenizer(tt.default_tokenizer_path())
+    p = CpuPool(2, name="test-handler")
+    h = Handler(tok, max_text_bytes=1 << 22, pool=p)
+    assert tok.chunked.pool is p
+    tok.chunked.min_chars, tok.chunked.chunk_chars = 10_000, 4096
+    text = corpus_text[:40_000]
+    out = h.handle_session(1, text.encode(), start=True)
+    assert out["INPUT_ID"].tolist() == hf_ids("gpt2", text, True)
+    out = h.handle_session(1, b" and more", mode="delta")
+    assert out["INPUT_ID"].tolist() == hf_ids("gpt2", text + " and more", True)
+    assert h.handle_encode(text.encode())["INPUT_ID"].tolist() == hf_ids("gpt2", text, True)
+    st = p.stats()["by_priority"]
+    assert st["repair"]["completed"] == 2  # the two session steps
+    # the session's first turn was chunked (40K chars / 4096); the stateless encode of the same text may
+    # reuse it through the prefix index
+    assert st["chunk"]["completed"] >= 9

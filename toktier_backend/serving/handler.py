@@ -27,6 +27,7 @@ from typing import Any, Callable, Hashable, Mapping
 import numpy as np
 
 import toktier_backend as tt
+from toktier_backend import parallel
 from toktier_backend.errors import InvalidRequest, ToktierError, UnknownSession
 from toktier_backend.pipeline.session_store import (  # noqa: F401  (re-exported: the store used to live here)
     DEFAULT_SESSION_TTL_S,
@@ -70,6 +71,10 @@ class Handler:
         clock: monotonic clock in seconds, for the store.
         verifier: a shadow ``Verifier`` for this tokenizer (``None``: replies are not sampled).
         metrics: a ``serving.metrics.Metrics`` (``None``: nothing recorded).
+        pool: the CPU pool (``toktier_backend.parallel.CpuPool``; ``None``: the process-wide
+            ``parallel.shared_pool()``). Session steps run on it at ``REPAIR`` priority and the tokenizer's
+            chunked full encodes at ``CHUNK`` priority, so a repair starts after at most one chunk of a long
+            encode, not after all of it; ``pool.stats()`` gives queue depth, tasks in flight, wait times.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class Handler:
         clock: Callable[[], float] = time.monotonic,
         verifier: Any = None,
         metrics: Any = None,
+        pool: parallel.CpuPool | None = None,
     ):
         if max_text_bytes <= 0:
             raise ValueError(f"max_text_bytes must be > 0, got {max_text_bytes!r}")
@@ -95,6 +101,9 @@ class Handler:
                                   on_evict=self._on_evict)
         self._lock = threading.Lock()
         self._dropped_seen = 0
+        self.pool = pool if pool is not None else parallel.shared_pool()
+        if pool is not None and hasattr(tokenizer, "chunked"):
+            tokenizer.chunked.pool = pool
         if verifier is not None and metrics is not None and verifier.on_result is None:
             verifier.on_result = self._on_sample
 
@@ -119,7 +128,9 @@ class Handler:
                         model: str = "toktier_session") -> "Handler":
         """A handler from a model's ``config.pbtxt`` parameters (all strings; see ``model_repository/README.md``):
         ``tokenizer``, ``tokenizer_sha256``, ``engine``, ``max_text_bytes``, ``session_budget_bytes``,
-        ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``.
+        ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``;
+        the CPU pool's ``pool_workers`` (0 = one per core), ``pool_nice`` (added to the workers' nice value),
+        ``chunk_chars`` and ``parallel_min_chars`` (chunked full encode, chars; see ``toktier_backend.parallel``).
 
         Raises:
             tt.UnsupportedTokenizer: the file cannot be served; the model then fails to load.
@@ -133,6 +144,7 @@ class Handler:
             except ValueError:
                 raise ValueError(f"model parameter {key}={raw!r} is not a valid {kind.__name__}") from None
 
+        pool = parallel.configure_shared_pool(num("pool_workers", "0") or None, nice=num("pool_nice", "0"))
         handler = cls.from_spec(
             params.get("tokenizer", "default"),
             sha256=(params.get("tokenizer_sha256") or "").strip() or None,
@@ -140,7 +152,12 @@ class Handler:
             max_text_bytes=num("max_text_bytes", str(DEFAULT_MAX_TEXT_BYTES)),
             session_ttl_s=session_ttl_s,
             session_budget_bytes=num("session_budget_bytes", str(DEFAULT_SESSION_BUDGET_BYTES)),
+            pool=pool,
         )
+        chunked = getattr(handler.tokenizer, "chunked", None)
+        if chunked is not None:
+            chunked.chunk_chars = max(1, num("chunk_chars", str(parallel.CHUNK_CHARS)))
+            chunked.min_chars = num("parallel_min_chars", str(parallel.MIN_CHARS))
         from toktier_backend.pipeline.verifier import Verifier
         from toktier_backend.serving.metrics import get_metrics
 
@@ -229,7 +246,9 @@ class Handler:
                 self._sync()
                 if start and self.store.get(corr_id, touch=False) is not None:  # an idle one counts as idle
                     self.store.pop(corr_id, "start")
-                out, entry, mode = self._session_step(corr_id, text, mode, reply, add_special, start)
+                # on the pool at REPAIR priority: ahead of queued chunks of long encodes (parallel.py)
+                out, entry, mode = self.pool.call(self._session_step, corr_id, text, mode, reply, add_special,
+                                                  start, priority=parallel.REPAIR)
             except ToktierError as e:
                 self._count_error("toktier_session", e)
                 raise
