@@ -20,12 +20,11 @@ before ``\\s+(?!\\S)`` (as in ``llama3.py``); the optional prefix ``[^\\r\\n\\p{
 
 from __future__ import annotations
 
-import re
 
-from ._chars import ALNUM, GRAPH
+from . import llama3
 
 NAME = "deepseek_v3"
-SEAM = re.compile(r"(?<=[A-Za-z0-9])(?= )|(?<=\n)(?=[!-~])")
+SEAM = llama3.SEAM
 PATTERNS = (
     r"\p{N}{1,3}",
     "[一-龥぀-ゟ゠-ヿ]+",
@@ -33,11 +32,6 @@ PATTERNS = (
 )
 
 
-def is_stable_cut(text: str, c: int, end: int) -> bool:
-    """Rule A or B at ``c``; reads ``text[c-1 : c+1]`` and needs ``c + 1 <= end``."""
-    if not (1 <= c < end):
-        return False
-    x, y = text[c - 1], text[c]
-    if y == " ":
-        return x in ALNUM
-    return x == "\n" and y in GRAPH
+# The rules coincide with the cl100k family's (A: alnum then space; B: newline then printable ASCII);
+# the proof above is what differs. One implementation serves both.
+is_stable_cut = llama3.is_stable_cut
