@@ -99,6 +99,24 @@ class Admission:
         at = np.minimum(np.searchsorted(g, hi), len(g) - 1)
         return bool((g[at] == hi).any())
 
+    def has_guarded_utf8(self, data: bytes) -> bool:
+        """:meth:`has_guarded` on a text's UTF-8 bytes (``data`` must be valid UTF-8, e.g. from
+        ``str.encode``). Decodes only the lead bytes of multi-byte sequences, in numpy."""
+        if not len(self._sorted):
+            return False
+        u = np.frombuffer(data, dtype=np.uint8)
+        if self._ascii_guarded and self.has_guarded_cps(u[u < 0x80].astype(np.uint32)):
+            return True
+        lead = np.flatnonzero(u >= 0xC0)
+        if not len(lead):
+            return False
+        last = len(u) - 1
+        b0 = u[lead].astype(np.uint32)
+        b1, b2, b3 = ((u[np.minimum(lead + k, last)] & 0x3F).astype(np.uint32) for k in (1, 2, 3))
+        cps = np.where(b0 >= 0xF0, ((b0 & 0x07) << 18) | (b1 << 12) | (b2 << 6) | b3,
+                       np.where(b0 >= 0xE0, ((b0 & 0x0F) << 12) | (b1 << 6) | b2, ((b0 & 0x1F) << 6) | b1))
+        return self.has_guarded_cps(cps)
+
     @property
     def _ascii_guarded(self) -> bool:
         return bool(self.guarded) and self.guarded[0] < 128

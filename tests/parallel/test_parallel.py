@@ -184,15 +184,19 @@ def test_engine_error_sends_only_that_chunk_to_reference(pool, corpus_text, monk
     enc = ChunkedEncoder(tok, pool=pool, chunk_chars=2000, min_chars=0)
     real = enc._encode
 
-    def flaky(chunk: str):
-        if "submit" in chunk:
+    text = corpus_text[:20_000]
+    b = enc.bounds(text)
+    target = text[b[2]:b[3]].encode()  # the third chunk fails
+
+    def flaky(data: bytes):
+        if data == target:
             raise RuntimeError("injected")
-        return real(chunk)
+        return real(data)
 
     monkeypatch.setattr(enc, "_encode", flaky)
-    text = corpus_text[:20_000]
-    check("qwen3", enc, text)
-    assert 0 < enc.stats["engine_errors"] == enc.stats["reference_chunks"] < enc.stats["chunks"]
+    _, engine = check("qwen3", enc, text, min_chunks=8)
+    assert engine == "gigatoken+hf"
+    assert enc.stats["engine_errors"] == enc.stats["reference_chunks"] == 1
 
 
 def test_lone_surrogate_names_its_index(pool):
