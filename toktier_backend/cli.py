@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser(sub)
     except ImportError:
         pass
+    from .integrations.cli import add_proxy_parser
+
+    add_proxy_parser(sub)
     return ap
 
 

@@ -113,6 +113,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quarantine-file", default=None, help="quarantine file shared by the instances (see toktier quarantine)")
     p.add_argument("--pytriton", action="store_true", help="serve the same handler through PyTriton instead")
     p.add_argument("--tritonserver", default=None, help="another tritonserver binary with its own Python backend")
+    p.add_argument("--with-ensemble", action="store_true",
+                   help="also serve the TensorRT-LLM ensemble example (ensemble -> preprocessing -> a CPU tensorrt_llm stand-in)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -131,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tritonserver=args.tritonserver,
         toktier_metrics_port=None if args.toktier_metrics_port < 0 else args.toktier_metrics_port,
         parameters=_parameters(args),
+        with_ensemble=args.with_ensemble,
     )
 
 

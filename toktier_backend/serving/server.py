@@ -234,6 +234,8 @@ class TritonServer:
         parameters: model parameters to substitute (``session_budget_bytes``, ``tokenizer_sha256``,
             ``verifier_rate``, ``verifier_first_n``, ``verifier_debug``, ``quarantine_file``, ``engine``).
         env: extra environment variables for tritonserver and its stubs.
+        extra_model_repositories: more repositories served beside it (each copied and substituted the same
+            way, passed as another ``--model-repository``), e.g. the TensorRT-LLM ensemble example.
     """
 
     def __init__(
@@ -250,6 +252,7 @@ class TritonServer:
         log_path: str | Path | None = None,
         tritonserver: str | Path | None = None,
         exit_timeout_s: float = 10.0,
+        extra_model_repositories: Sequence[str | Path] = (),
         toktier_metrics_port: int | None = None,
         parameters: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
@@ -270,6 +273,8 @@ class TritonServer:
         self.log_path = Path(log_path) if log_path else None
         self.tritonserver = Path(tritonserver) if tritonserver else None
         self.exit_timeout_s = exit_timeout_s
+        self.extra_model_repositories = [Path(p) for p in extra_model_repositories]
+        self._extra_prepared: list[Path] = []
         self.workdir: Path | None = None
         self.process: subprocess.Popen | None = None
         self._log = None
@@ -300,6 +305,7 @@ class TritonServer:
         cmd = [
             str(binary),
             f"--model-repository={repository}",
+            *(f"--model-repository={p}" for p in self._extra_prepared),
             f"--http-address={self.host}",
             f"--http-port={self.http_port}",
             f"--grpc-address={self.host}",
@@ -330,6 +336,11 @@ class TritonServer:
             session_idle_s=self.session_idle_s,
             parameters=self.parameters,
         )
+        self._extra_prepared = [
+            prepare_repository(self.workdir / f"models_extra{i}", tokenizer=self.tokenizer, source=src,
+                               max_text_bytes=self.max_text_bytes, session_idle_s=self.session_idle_s)
+            for i, src in enumerate(self.extra_model_repositories)
+        ]
         libs: list[Path] = []
         backends: Path | None = None
         if self.tritonserver is None:
@@ -540,10 +551,17 @@ def serve(
     pytriton: bool = False,
     tritonserver: str | Path | None = None,
     ready_timeout_s: float = 300.0,
+    with_ensemble: bool = False,
     toktier_metrics_port: int | None = 8003,
     parameters: dict[str, str] | None = None,
 ) -> int:
-    """Serve until SIGTERM or SIGINT, then stop cleanly. Returns the process exit code (0 on a clean stop)."""
+    """Serve until SIGTERM or SIGINT, then stop cleanly. Returns the process exit code (0 on a clean stop).
+
+    ``with_ensemble`` also serves the TensorRT-LLM ensemble example (``ensemble`` -> our ``preprocessing``
+    -> a CPU stand-in ``tensorrt_llm``; see ``docs/integrations.md``); not with ``pytriton``.
+    """
+    if with_ensemble and pytriton:
+        raise ValueError("--with-ensemble needs tritonserver's model repository; PyTriton (--pytriton) cannot serve it")
     if pytriton:
         server: TritonServer | PyTritonServer = PyTritonServer(
             tokenizer,
@@ -567,6 +585,7 @@ def serve(
             max_text_bytes=max_text_bytes,
             session_idle_s=session_idle_s,
             tritonserver=tritonserver,
+            extra_model_repositories=_ensemble_example() if with_ensemble else (),
             toktier_metrics_port=toktier_metrics_port,
             parameters=parameters,
         )
@@ -592,3 +611,9 @@ def serve(
         server.stop()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def _ensemble_example() -> list[Path]:
+    from toktier_backend.integrations.trtllm import ENSEMBLE_EXAMPLE_REPOSITORY
+
+    return [ENSEMBLE_EXAMPLE_REPOSITORY]

@@ -1,0 +1,329 @@
+"""The TensorRT-LLM ``preprocessing`` drop-in: in process (unit) and through the real ensemble (L0).
+
+Two oracles for every tensor:
+
+- the HF reference, ``Tokenizer.from_file(path).encode(text, add_special_tokens=...).ids``;
+- :class:`OriginalPreprocessing`, what NVIDIA/TensorRT-LLM's ``preprocessing/1/model.py`` computes, written
+  here from its documented behaviour with the tokenizer it loads (``transformers.AutoTokenizer`` on the
+  tokenizer folder): ``_create_request`` (encode with the ``add_special_tokens`` parameter, right-pad with the
+  tokenizer's pad id), ``_to_word_list_format`` (each word encoded without special tokens, empty words
+  skipped, ids concatenated and 0-padded, cumulative word ends -1-padded, width ``max(1, longest)``;
+  ``[b, 2, 0]`` without a list), ``_get_embedding_bias`` (``encode(word)`` with its default special tokens,
+  weights added per id over ``len(vocab)``; ``[b, 0]`` without words), end/pad ids from the eos/pad tokens
+  (pad falls back to eos), ``DECODER_INPUT_ID = [[pad_id]]`` without a decoder query.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toktier_backend.corpus import load_turns, trajectory_files
+
+from .conftest import auto_tokenizer, hf_ids, require
+
+
+# ---------------------------------------------------------------- the oracle
+
+
+class OriginalPreprocessing:
+    """TensorRT-LLM's text-only preprocessing semantics, on the tokenizer it would load."""
+
+    def __init__(self, folder, add_special_tokens: bool = True):
+        tok = auto_tokenizer(str(folder), legacy=False, padding_side="left")
+        self.tok = tok
+        self.add_special_tokens = add_special_tokens
+        eos = tok.eos_token
+        pad = tok.pad_token or eos
+        self.end_id = tok.encode(eos, add_special_tokens=False)[0]
+        self.pad_id = tok.encode(pad, add_special_tokens=False)[0]
+
+    def create_request(self, queries: list[str]):
+        rows = [self.tok.encode(q, add_special_tokens=self.add_special_tokens) for q in queries]
+        width = max(len(r) for r in rows)
+        ids = np.array([r + [self.pad_id] * (width - len(r)) for r in rows], dtype=np.int32)
+        return ids, np.array([[len(r)] for r in rows], dtype=np.int32)
+
+    def word_list(self, word_lists, batch_size: int):
+        if word_lists is None:
+            return np.empty([batch_size, 2, 0], dtype=np.int32)
+        flat, offs = [], []
+        for words in word_lists:
+            ids_row, ends = [], []
+            for w in words:
+                ids = self.tok.encode(w, add_special_tokens=False)
+                if not ids:
+                    continue
+                ids_row += ids
+                ends.append(len(ids))
+            flat.append(ids_row)
+            offs.append(list(np.cumsum(ends)))
+        width = max(1, max(len(r) for r in flat))
+        out = np.zeros((len(flat), 2, width), dtype=np.int32)
+        out[:, 1, :] = -1
+        for i, (r, o) in enumerate(zip(flat, offs)):
+            out[i, 0, : len(r)] = r
+            out[i, 1, : len(o)] = o
+        return out
+
+    def embedding_bias(self, words, weights, batch_size: int):
+        if words is None or weights is None:
+            return np.empty([batch_size, 0], dtype=np.float32)
+        rows = []
+        for ws, xs in zip(words, weights):
+            bias = [0.0] * len(self.tok.get_vocab())
+            for w, x in zip(ws, xs):
+                for i in self.tok.encode(w):  # the original's default: special tokens added
+                    bias[i] += x
+            rows.append(bias)
+        return np.array(rows, dtype=np.float32)
+
+
+def _obj(rows):
+    return np.array([[r.encode() if isinstance(r, str) else r for r in row] for row in rows], dtype=np.object_)
+
+
+TEXTS = [
+    "hello world",
+    "  leading spaces and trailing\n\n",
+    "naïve café — 東京 🙂",
+    "<|begin_of_text|>special text<|eot_id|> inside",
+    "digits 1234567 and 3.14159",
+    "",
+]
+
+
+# ---------------------------------------------------------------- unit: the handler in process
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama3_1"])
+def unit(request, hf_folder):
+    from toktier_backend.integrations.trtllm import PreprocessingHandler
+
+    folder = hf_folder(request.param)
+    handler = PreprocessingHandler.from_parameters({"tokenizer": str(folder), "add_special_tokens": "${add_special_tokens}",
+                                                    "tokenizer_dir": "${tokenizer_dir}"})
+    return request.param, handler, OriginalPreprocessing(folder)
+
+
+def test_unit_input_ids_padding_and_ids(unit):
+    name, handler, orig = unit
+    out = handler.execute({"QUERY": _obj([[t] for t in TEXTS]), "REQUEST_OUTPUT_LEN": np.full((len(TEXTS), 1), 9, np.int32)})
+    want_ids, want_len = orig.create_request(TEXTS)
+    assert out["INPUT_ID"].dtype == np.int32 and np.array_equal(out["INPUT_ID"], want_ids)
+    assert np.array_equal(out["REQUEST_INPUT_LEN"], want_len)
+    for i, t in enumerate(TEXTS):
+        assert out["INPUT_ID"][i, : want_len[i, 0]].tolist() == hf_ids(name, t)
+    assert out["OUT_END_ID"].tolist() == [[orig.end_id]] * len(TEXTS)
+    assert out["OUT_PAD_ID"].tolist() == [[orig.pad_id]] * len(TEXTS)
+    assert out["DECODER_INPUT_ID"].tolist() == [[orig.pad_id]] * len(TEXTS)
+    assert out["REQUEST_DECODER_INPUT_LEN"].tolist() == [[1]] * len(TEXTS)
+    assert out["REQUEST_OUTPUT_LEN"].tolist() == [[9]] * len(TEXTS)
+    assert out["BAD_WORDS_IDS"].shape == (len(TEXTS), 2, 0) and out["EMBEDDING_BIAS"].shape == (len(TEXTS), 0)
+    assert out["ROUTE"].tolist() == [[b"encode"]] * len(TEXTS)
+
+
+def test_unit_word_lists_and_bias(unit):
+    name, handler, orig = unit
+    bad = [["hello", " world", "", "<|eot_id|>"], ["x", "a much longer phrase of words", "", ""]]
+    stop = [["\n\n", "</s>"], ["", ""]]
+    assert np.array_equal(handler.word_list(_obj(bad), 2), orig.word_list(bad, 2))
+    assert np.array_equal(handler.word_list(_obj(stop), 2), orig.word_list(stop, 2))
+    assert np.array_equal(handler.word_list(_obj([["", ""]]), 1), orig.word_list([["", ""]], 1))  # width max(1, 0)
+    assert np.array_equal(handler.word_list(None, 3), orig.word_list(None, 3))
+    words, weights = [["hello", " hello", "world"]], [[0.5, -2.0, 1.25]]
+    got = handler.embedding_bias(_obj(words), np.array(weights, np.float32), 1)
+    want = orig.embedding_bias(words, weights, 1)
+    assert got.dtype == np.float32 and got.shape == want.shape and np.array_equal(got, want)
+    if name == "llama3_1":  # the original's encode(word) adds BOS: its bias is the sum of all weights
+        assert got[0, 128000] == pytest.approx(0.5 - 2.0 + 1.25)
+
+
+def test_unit_sessions_repair_exactly(unit):
+    name, handler, _ = unit
+    turns = load_turns(trajectory_files()[0])[:8]
+    routes = []
+    for i, t in enumerate(turns):
+        out = handler.execute({"QUERY": _obj([[t]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32)},
+                              correlation_id=f"unit-{name}", start=(i == 0))
+        assert out["INPUT_ID"][0].tolist() == hf_ids(name, t)
+        routes.append(out["ROUTE"][0, 0].decode())
+        if i:
+            assert 0 < out["KEEP"][0, 0] <= out["REQUEST_INPUT_LEN"][0, 0]
+    assert routes[0] == "new" and set(routes[1:]) <= {"append", "edit"}, routes
+    out = handler.execute({"QUERY": _obj([[turns[0]]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32)},
+                          correlation_id=f"unit-{name}", end=True)  # a truncation, then END frees it
+    assert out["INPUT_ID"][0].tolist() == hf_ids(name, turns[0])
+    out = handler.execute({"QUERY": _obj([[turns[1]]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32)},
+                          correlation_id=f"unit-{name}")
+    assert out["ROUTE"][0, 0] == b"new"
+
+
+def test_unit_errors(unit):
+    from toktier_backend.errors import InvalidRequest
+
+    _, handler, _ = unit
+    with pytest.raises(InvalidRequest, match="REQUEST_OUTPUT_LEN"):
+        handler.execute({"QUERY": _obj([["x"]])})
+    with pytest.raises(InvalidRequest, match="not valid UTF-8"):
+        handler.execute({"QUERY": np.array([[b"\xff\xfe"]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32)},
+                        correlation_id=7)
+    with pytest.raises(InvalidRequest, match="one weight per word"):
+        handler.embedding_bias(_obj([["a", "b"]]), np.array([[1.0]], np.float32), 1)
+
+
+def test_unit_no_eos_needs_end_id():
+    """A file without tokenizer_config.json and several special tokens names no eos: END_ID is required."""
+    from toktier_backend.errors import InvalidRequest
+    from toktier_backend.integrations.trtllm import PreprocessingHandler
+
+    from ..conftest import load  # the run-wide cached tokenizer of the shared file
+
+    handler = PreprocessingHandler(load("qwen3"))
+    assert handler.end_id is None
+    with pytest.raises(InvalidRequest, match="END_ID"):
+        handler.execute({"QUERY": _obj([["x"]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32)})
+    out = handler.execute({"QUERY": _obj([["x"]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32),
+                           "END_ID": np.array([[151645]], np.int32), "PAD_ID": np.array([[151643]], np.int32)})
+    assert out["OUT_END_ID"].tolist() == [[151645]] and out["OUT_PAD_ID"].tolist() == [[151643]]
+    assert out["INPUT_ID"].tolist() == [hf_ids("qwen3", "x")]
+
+
+def test_config_pbtxt_matches_the_contract():
+    """Our config parses as Triton's ModelConfig, with the original's tensor names, dtypes and dims."""
+    require("tritonclient.grpc", "serve")
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    from .conftest import REPO
+
+    cfg = text_format.Parse((REPO / "model_repository" / "preprocessing" / "config.pbtxt").read_text(), pb.ModelConfig())
+    dt = pb.DataType.Name
+    ins = {i.name: (dt(i.data_type), list(i.dims), i.optional) for i in cfg.input}
+    outs = {o.name: (dt(o.data_type), list(o.dims)) for o in cfg.output}
+    assert ins == {
+        "QUERY": ("TYPE_STRING", [1], False), "DECODER_QUERY": ("TYPE_STRING", [1], True),
+        "REQUEST_OUTPUT_LEN": ("TYPE_INT32", [1], False), "BAD_WORDS_DICT": ("TYPE_STRING", [-1], True),
+        "STOP_WORDS_DICT": ("TYPE_STRING", [-1], True), "EMBEDDING_BIAS_WORDS": ("TYPE_STRING", [-1], True),
+        "EMBEDDING_BIAS_WEIGHTS": ("TYPE_FP32", [-1], True), "END_ID": ("TYPE_INT32", [1], True),
+        "PAD_ID": ("TYPE_INT32", [1], True),
+    }
+    assert outs == {
+        "INPUT_ID": ("TYPE_INT32", [-1]), "REQUEST_INPUT_LEN": ("TYPE_INT32", [1]),
+        "DECODER_INPUT_ID": ("TYPE_INT32", [-1]), "REQUEST_DECODER_INPUT_LEN": ("TYPE_INT32", [1]),
+        "BAD_WORDS_IDS": ("TYPE_INT32", [2, -1]), "STOP_WORDS_IDS": ("TYPE_INT32", [2, -1]),
+        "EMBEDDING_BIAS": ("TYPE_FP32", [-1]), "REQUEST_OUTPUT_LEN": ("TYPE_INT32", [-1]),
+        "OUT_END_ID": ("TYPE_INT32", [1]), "OUT_PAD_ID": ("TYPE_INT32", [1]),
+        "ROUTE": ("TYPE_STRING", [1]), "KEEP": ("TYPE_INT32", [1]),  # ours, extra
+    }
+    assert cfg.max_batch_size >= 64 and cfg.WhichOneof("scheduling_choice") == "dynamic_batching"
+    assert cfg.parameters["tokenizer"].string_value == "default"
+    assert cfg.parameters["tokenizer_dir"].string_value == "${tokenizer_dir}"  # fill_template.py still works
+
+
+# ---------------------------------------------------------------- L0: the real ensemble
+
+
+def _client(server, protocol):
+    if protocol == "grpc":
+        import tritonclient.grpc as mod
+
+        return mod, mod.InferenceServerClient(server.grpc_url)
+    import tritonclient.http as mod
+
+    return mod, mod.InferenceServerClient(server.http_url)
+
+
+def _infer(mod, client, model, tensors: dict, **kw):
+    inputs = []
+    for name, arr in tensors.items():
+        dtype = {np.object_: "BYTES", np.int32: "INT32", np.float32: "FP32"}[arr.dtype.type]
+        x = mod.InferInput(name, list(arr.shape), dtype)
+        x.set_data_from_numpy(arr)
+        inputs.append(x)
+    return client.infer(model, inputs, **kw)
+
+
+@pytest.mark.serving
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_ensemble_full_encode_matches_hf_and_original(ensemble_server, protocol):
+    mod, client = _client(ensemble_server, protocol)
+    orig = OriginalPreprocessing(ensemble_server.folder)
+    for text in TEXTS:
+        r = _infer(mod, client, "ensemble", {"text_input": _obj([[text]]), "max_tokens": np.array([[16]], np.int32)})
+        ids = r.as_numpy("output_ids").reshape(-1).tolist()  # the stand-in echoes the INPUT_ID it received
+        assert ids == hf_ids("llama3_1", text) == orig.create_request([text])[0][0].tolist()
+        assert ids[0] == 128000  # add_special_tokens defaults to true, as in the original
+        assert r.as_numpy("sequence_length").reshape(-1).tolist() == [len(ids)]
+        assert r.as_numpy("echo_input_lengths").reshape(-1).tolist() == [len(ids)]
+        assert r.as_numpy("echo_request_output_len").reshape(-1).tolist() == [16]
+        assert r.as_numpy("echo_end_id").reshape(-1).tolist() == [orig.end_id] == [128009]  # <|eot_id|>
+        assert r.as_numpy("echo_pad_id").reshape(-1).tolist() == [orig.pad_id]
+        assert r.as_numpy("echo_decoder_input_ids").reshape(-1).tolist() == [orig.pad_id]
+        assert r.as_numpy("echo_bad_words_list").shape == (1, 2, 0)
+        assert r.as_numpy("echo_embedding_bias").shape == (1, 0)
+        assert r.as_numpy("preprocessing_route").reshape(-1).tolist() == [b"encode"]
+
+
+@pytest.mark.serving
+def test_ensemble_words_bias_and_ids(ensemble_server):
+    mod, client = _client(ensemble_server, "grpc")
+    orig = OriginalPreprocessing(ensemble_server.folder)
+    bad, stop = [["hello", " world", "", "<|eot_id|>"]], [["\n\nUser:", "</s>"]]
+    words, weights = [["hello", " there"]], [[0.5, -1.5]]
+    r = _infer(mod, client, "ensemble", {
+        "text_input": _obj([["hello there"]]), "max_tokens": np.array([[4]], np.int32),
+        "bad_words": _obj(bad), "stop_words": _obj(stop),
+        "embedding_bias_words": _obj(words), "embedding_bias_weights": np.array(weights, np.float32),
+        "end_id": np.array([[7]], np.int32), "pad_id": np.array([[8]], np.int32),
+        "decoder_text_input": _obj([["decoder side"]]),
+    })
+    assert np.array_equal(r.as_numpy("echo_bad_words_list"), orig.word_list(bad, 1))
+    assert np.array_equal(r.as_numpy("echo_stop_words_list"), orig.word_list(stop, 1))
+    assert np.array_equal(r.as_numpy("echo_embedding_bias"), orig.embedding_bias(words, weights, 1))
+    assert r.as_numpy("echo_end_id").reshape(-1).tolist() == [7] and r.as_numpy("echo_pad_id").reshape(-1).tolist() == [8]
+    assert r.as_numpy("echo_decoder_input_ids").reshape(-1).tolist() == hf_ids("llama3_1", "decoder side")
+    assert r.as_numpy("echo_decoder_input_lengths").reshape(-1).tolist() == [len(hf_ids("llama3_1", "decoder side"))]
+
+
+@pytest.mark.serving
+@pytest.mark.parametrize("protocol,corr", [("grpc", 4242), ("http", "agent-7")])
+def test_ensemble_correlation_id_repairs_sessions(ensemble_server, protocol, corr):
+    """A correlation ID on the ensemble request reaches preprocessing (int and str, gRPC and HTTP): each turn
+    of a resent agent conversation is repaired in that session, and every id still equals HF."""
+    mod, client = _client(ensemble_server, protocol)
+    turns = load_turns(trajectory_files()[1])[:10]
+    routes = []
+    for i, text in enumerate(turns):
+        r = _infer(mod, client, "ensemble", {"text_input": _obj([[text]]), "max_tokens": np.array([[1]], np.int32)},
+                   sequence_id=corr, sequence_start=(i == 0), sequence_end=(i == len(turns) - 1))
+        assert r.as_numpy("output_ids").reshape(-1).tolist() == hf_ids("llama3_1", text)
+        routes.append(r.as_numpy("preprocessing_route").reshape(-1)[0].decode())
+        keep = int(r.as_numpy("preprocessing_keep").reshape(-1)[0])
+        assert (keep == 0) if i == 0 else (keep > 0)
+    assert routes[0] == "new" and sum(x in ("append", "edit") for x in routes[1:]) == len(turns) - 1, routes
+    # END freed it: the same ID starts a new session
+    r = _infer(mod, client, "ensemble", {"text_input": _obj([[turns[0]]]), "max_tokens": np.array([[1]], np.int32)},
+               sequence_id=corr)
+    assert r.as_numpy("preprocessing_route").reshape(-1).tolist() == [b"new"]
+
+
+@pytest.mark.serving
+def test_preprocessing_batch_and_errors(ensemble_server):
+    """``preprocessing`` directly: a [2, 1] batch is right-padded as the original does; a bad request gets
+    INVALID_ARG and the server keeps serving."""
+    from tritonclient.utils import InferenceServerException
+
+    mod, client = _client(ensemble_server, "grpc")
+    orig = OriginalPreprocessing(ensemble_server.folder)
+    texts = ["a longer prompt with several words", "short"]
+    r = _infer(mod, client, "preprocessing", {"QUERY": _obj([[t] for t in texts]),
+                                              "REQUEST_OUTPUT_LEN": np.array([[3], [3]], np.int32)})
+    ids, lens = orig.create_request(texts)
+    assert np.array_equal(r.as_numpy("INPUT_ID"), ids) and np.array_equal(r.as_numpy("REQUEST_INPUT_LEN"), lens)
+    with pytest.raises(InferenceServerException) as e:
+        _infer(mod, client, "preprocessing", {"QUERY": np.array([[b"\xc3\x28"]], dtype=object),
+                                              "REQUEST_OUTPUT_LEN": np.array([[3]], np.int32)})
+    assert "INVALID_ARG" in str(e.value.status()) and "InvalidRequest" in str(e.value)
+    r = _infer(mod, client, "preprocessing", {"QUERY": _obj([["still serving"]]), "REQUEST_OUTPUT_LEN": np.array([[3]], np.int32)})
+    assert r.as_numpy("INPUT_ID").reshape(-1).tolist() == hf_ids("llama3_1", "still serving")

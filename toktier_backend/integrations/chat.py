@@ -1,0 +1,284 @@
+"""Chat templates, rendered in a sandboxed jinja2 environment, for routes that receive ``messages``.
+
+A chat template is untrusted code (it comes with the model), so it runs in jinja2's
+``ImmutableSandboxedEnvironment``, set up as Hugging Face ``transformers`` does for
+``apply_chat_template``: ``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols`` extension and the
+``{% generation %}`` tag, a ``tojson`` filter that does not HTML-escape, ``raise_exception``,
+``strftime_now``, and ``namespace``/``dict`` that refuse underscore-prefixed names. Everything the template
+sees is rebuilt from plain JSON types first. The variables are ``messages``, ``tools``, ``documents``,
+``add_generation_prompt``, the special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``, …)
+and any extra keyword (``enable_thinking``, …).
+
+The rendered text is then tokenized with ``add_special_tokens=False`` (the template writes the special
+tokens itself), as ``apply_chat_template(tokenize=True)`` does.
+
+Where the template comes from (:func:`load_chat_template`): an explicit file, else beside the tokenizer:
+``chat_template.jinja``, ``chat_template.json`` (``{"chat_template": ...}``), or ``tokenizer_config.json``'s
+``chat_template`` (a string, or a list of ``{"name", "template"}``: ``default`` is used).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from toktier_backend.errors import InvalidRequest, UnsupportedTokenizer
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _folder_of(tokenizer_path: str | Path) -> Path:
+    p = Path(tokenizer_path)
+    return p if p.is_dir() else p.parent
+
+
+def load_chat_template(tokenizer_path: str | Path | None, override: str | Path | None = None) -> str | None:
+    """The chat template for a tokenizer, as jinja source; ``None`` if there is none.
+
+    Args:
+        tokenizer_path: the ``tokenizer.json`` (or its folder); its folder is searched.
+        override: a template file (``.jinja``, or ``.json`` holding ``chat_template``), or the template
+            itself when it contains ``{{`` or ``{%``.
+
+    Raises:
+        UnsupportedTokenizer: a template file exists but cannot be read or parsed (names the file).
+    """
+    if override is not None:
+        text = str(override)
+        if "{{" in text or "{%" in text:
+            return text
+        return _read_template_file(Path(text))
+    if tokenizer_path is None:
+        return None
+    folder = _folder_of(tokenizer_path)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (folder / name).is_file():
+            return _read_template_file(folder / name)
+    cfg = folder / "tokenizer_config.json"
+    if cfg.is_file():
+        return _template_from_json(cfg, _read_json(cfg))
+    return None
+
+
+def special_tokens(tokenizer_path: str | Path | None) -> dict[str, str]:
+    """Special token strings from ``tokenizer_config.json`` beside the tokenizer (``{}`` if none)."""
+    if tokenizer_path is None:
+        return {}
+    cfg = _folder_of(tokenizer_path) / "tokenizer_config.json"
+    if not cfg.is_file():
+        return {}
+    data = _read_json(cfg)
+    out = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+        v = data.get(name)
+        if isinstance(v, Mapping):
+            v = v.get("content")
+        if isinstance(v, str):
+            out[name] = v
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UnsupportedTokenizer(f"{path}: cannot read the chat template ({e})") from e
+    if not isinstance(data, dict):
+        raise UnsupportedTokenizer(f"{path}: expected a JSON object")
+    return data
+
+
+def _read_template_file(path: Path) -> str:
+    if path.suffix == ".json":
+        return _template_from_json(path, _read_json(path)) or ""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UnsupportedTokenizer(f"{path}: cannot read the chat template ({e})") from e
+
+
+def _template_from_json(path: Path, data: dict) -> str | None:
+    t = data.get("chat_template")
+    if t is None or isinstance(t, str):
+        return t
+    if isinstance(t, list):
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise UnsupportedTokenizer(f"{path}: chat_template is a list without a 'default' entry ({sorted(map(str, named))})")
+    raise UnsupportedTokenizer(f"{path}: chat_template must be a string or a list, got {type(t).__name__}")
+
+
+# ---------------------------------------------------------------- the sandbox
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str):
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        """``{% generation %}…{% endgeneration %}`` renders its body (assistant-mask tracking is not needed)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore-prefixed names ({name!r})")
+
+    class SafeNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # noqa: N805 - same trick as jinja2.utils.Namespace
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                _check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            _check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    class SafeDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=SafeDict(),
+                       namespace=SafeNamespace)
+    return env.from_string(source)
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild ``value`` from JSON types only (the template never sees other objects)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+class ChatRenderer:
+    """A compiled chat template plus the tokenizer's special tokens.
+
+    Args:
+        template: jinja source (see :func:`load_chat_template`).
+        special_tokens: ``{"bos_token": ..., "eos_token": ...}`` exposed to the template.
+
+    Raises:
+        UnsupportedTokenizer: the template does not compile (jinja's message).
+    """
+
+    def __init__(self, template: str, special_tokens: Mapping[str, str] | None = None):
+        import jinja2
+
+        try:
+            self._template = _compile(template)
+        except jinja2.TemplateError as e:
+            raise UnsupportedTokenizer(f"chat template does not compile: {e}") from e
+        self.source = template
+        self.special_tokens = dict(special_tokens or {})
+
+    def render(
+        self,
+        messages: list[Mapping[str, Any]],
+        *,
+        tools: list[Any] | None = None,
+        documents: list[Any] | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text of ``messages``.
+
+        Args:
+            messages: OpenAI-style ``{"role", "content", ...}`` dicts (keys holding ``None`` are dropped,
+                reasoning is copied to ``reasoning_content`` and ``thinking``, as transformers does).
+            tools, documents: passed to the template as is (plain JSON).
+            add_generation_prompt: open an assistant turn at the end.
+            continue_final_message: end the text inside the last message's ``content`` (string content only),
+                so the model continues it.
+            **kwargs: more template variables (override the special tokens).
+
+        Raises:
+            InvalidRequest: malformed messages, or the template raised (``raise_exception``) or failed.
+        """
+        import jinja2
+
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be set")
+        chat = [{k: v for k, v in _plain(m).items() if v is not None} for m in messages]
+        chat = [_alias_reasoning(m) for m in chat]
+        final = None
+        if continue_final_message:
+            if not chat or not isinstance(chat[-1].get("content"), str):
+                raise InvalidRequest("continue_final_message needs a last message with string content")
+            final = chat[-1]["content"]
+            chat[-1]["content"] = final + _CONTINUE_TAG
+        variables = {**self.special_tokens, **_plain(kwargs)}
+        try:
+            text = self._template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                         add_generation_prompt=bool(add_generation_prompt), **variables)
+        except jinja2.TemplateError as e:
+            raise InvalidRequest(f"the chat template refused the request: {e}") from e
+        except Exception as e:
+            raise InvalidRequest(f"the chat template failed on the request: {type(e).__name__}: {e}") from e
+        if final is not None:
+            tag = _CONTINUE_TAG.strip()
+            if final.strip() not in text or tag not in text:
+                raise InvalidRequest("continue_final_message: the template dropped part of the final message")
+            at = text.rindex(tag)
+            text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        return text
+
+
+def _alias_reasoning(message: dict) -> dict:
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}

@@ -1,0 +1,415 @@
+"""``toktier proxy``: OpenAI completion/chat requests in, exact token IDs out to ``/v1/completions``.
+
+For engines whose frontend tokenizer cannot be swapped (Dynamo's ``DYN_TOKENIZER`` takes only its built-in
+backends), the proxy sits in front of any OpenAI-compatible server whose ``/v1/completions`` accepts token
+IDs as ``prompt`` (vLLM, SGLang, Dynamo's frontend, ``trtllm-serve``):
+
+- ``POST /v1/completions`` with a string ``prompt``: tokenized (``add_special_tokens`` from the body,
+  default true), forwarded with ``prompt`` = the ids. Token-ID prompts are forwarded unchanged; a list of
+  strings is tokenized row by row.
+- ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template in a sandboxed
+  jinja2 environment (:mod:`.chat`; ``tools``, ``documents``, ``chat_template_kwargs``,
+  ``add_generation_prompt`` (default true), ``continue_final_message`` honoured), tokenized with
+  ``add_special_tokens=False``, forwarded to ``/v1/completions``; the reply (JSON or SSE stream) is turned
+  back into ``chat.completion`` / ``chat.completion.chunk`` objects with ``message``/``delta`` content.
+  Tool-call and reasoning parsing are not done here.
+- Anything else (``GET /v1/models``, …) is forwarded as is. ``GET /health`` answers locally.
+
+Sessions: the ``--session-header`` (default ``X-Session-ID``) or a body field ``conversation_id`` /
+``session_id`` keys a session; without one, a long prompt finds its session by prefix
+(:class:`~.sessions.SessionCache`). Each reply carries ``X-Toktier-Route``, ``X-Toktier-Reused`` (ids
+kept from the session's previous prompt), ``X-Toktier-Prompt-Tokens`` and ``X-Toktier-Session``. The ids
+always equal HF ``Tokenizer.from_file(path).encode(text, add_special_tokens=flag).ids``.
+
+Pure standard library (``http.server`` + ``urllib``); binds to loopback by default.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterable
+
+from toktier_backend.errors import InvalidRequest, ToktierError
+
+from .chat import ChatRenderer, load_chat_template, special_tokens
+from .sessions import SessionCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SESSION_HEADER = "X-Session-ID"
+SESSION_BODY_FIELDS = ("conversation_id", "session_id")
+# Chat-only fields that /v1/completions does not take (consumed here or dropped).
+_CHAT_ONLY = (
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message", "documents", "max_completion_tokens", "logprobs",
+    "top_logprobs", "reasoning_effort", "add_special_tokens",
+)
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
+                "content-length", "proxy-authorization", "proxy-authenticate"}
+
+
+class ProxyError(Exception):
+    """An error to answer with ``status`` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+class TokenProxy:
+    """The proxy's logic, independent of the HTTP server (tests drive it directly too).
+
+    Args:
+        tokenizer: a core ``toktier_backend.Tokenizer``.
+        upstream: base URL of the OpenAI-compatible server (``http://host:port``; a trailing ``/v1`` is fine).
+        chat_template: jinja source, or ``None`` (then chat requests fail with 400).
+        special_tokens: template variables ``bos_token``, ``eos_token``, … (``tokenizer_config.json``).
+        session_header: request header that keys a session (case-insensitive).
+        cache: the session cache (default: a new :class:`SessionCache`).
+        timeout_s: upstream timeout in seconds (connect and each read).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        upstream: str,
+        *,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        session_header: str = DEFAULT_SESSION_HEADER,
+        cache: SessionCache | None = None,
+        timeout_s: float = 600.0,
+    ):
+        self.tokenizer = tokenizer
+        base = upstream.rstrip("/")
+        self.upstream = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.renderer = ChatRenderer(chat_template, special_tokens) if chat_template else None
+        self.session_header = session_header
+        self.cache = cache if cache is not None else SessionCache(tokenizer)
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_spec(cls, tokenizer_spec: str | None, upstream: str, *, chat_template: str | None = None, **kwargs):
+        """Load the tokenizer (``tokenizer.json``, a folder, a Hub id, ``None``/``default`` = bundled GPT-2)
+        and its chat template (``chat_template`` file or source, else the one beside the tokenizer)."""
+        import toktier_backend as tt
+
+        spec = None if tokenizer_spec in (None, "", "default") else tokenizer_spec
+        tok = tt.load_tokenizer(spec)
+        template = load_chat_template(tok.path, chat_template)
+        return cls(tok, upstream, chat_template=template, special_tokens=special_tokens(tok.path), **kwargs)
+
+    # ------------------------------------------------------------ request -> forwarded body
+
+    def session_key(self, headers: dict[str, str], body: dict[str, Any]) -> str | None:
+        """The session key: the header, else ``conversation_id`` / ``session_id`` in the body, else ``None``."""
+        value = headers.get(self.session_header.lower())
+        if value:
+            return "h:" + value
+        for field in SESSION_BODY_FIELDS:
+            v = body.get(field)
+            if isinstance(v, (str, int)) and not isinstance(v, bool) and v not in ("", 0):
+                return f"b:{v}"
+        return None
+
+    def _encode(self, text: str, key: str | None, flag: bool) -> tuple[list[int], dict[str, str]]:
+        enc = self.cache.encode(text, key=key, add_special_tokens=flag)
+        info = {"X-Toktier-Route": enc.route, "X-Toktier-Reused": str(enc.reused),
+                "X-Toktier-Prompt-Tokens": str(len(enc.ids)), "X-Toktier-Session": enc.session or "none"}
+        return enc.ids.tolist(), info
+
+    def completion_body(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+        """``/v1/completions`` body -> (forwarded body with token-ID ``prompt``, ``X-Toktier-*`` headers)."""
+        out = {k: v for k, v in body.items() if k not in SESSION_BODY_FIELDS and k != "add_special_tokens"}
+        flag = body.get("add_special_tokens", True)
+        if not isinstance(flag, bool):
+            raise ProxyError(400, f"add_special_tokens must be a boolean, got {flag!r}")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            out["prompt"], info = self._encode(prompt, self.session_key(headers, body), flag)
+            return out, info
+        if _is_ids(prompt) or (isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt)):
+            return out, {"X-Toktier-Route": "passthrough", "X-Toktier-Session": "none"}
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            rows = [self.cache.encode(p, add_special_tokens=flag).ids.tolist() for p in prompt]
+            out["prompt"] = rows
+            return out, {"X-Toktier-Route": "batch", "X-Toktier-Prompt-Tokens": ",".join(str(len(r)) for r in rows),
+                         "X-Toktier-Session": "none"}
+        raise ProxyError(400, "prompt must be a string, a list of strings, token IDs, or a list of token-ID lists")
+
+    def chat_body(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+        """``/v1/chat/completions`` body -> (``/v1/completions`` body with token-ID ``prompt``, headers)."""
+        if self.renderer is None:
+            raise ProxyError(400, "this proxy has no chat template: start it with --chat-template FILE, or serve a "
+                                  "tokenizer folder with tokenizer_config.json / chat_template.jinja")
+        messages = body.get("messages")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ProxyError(400, "chat_template_kwargs must be an object")
+        cont = bool(body.get("continue_final_message", False))
+        text = self.renderer.render(
+            messages,
+            tools=body.get("tools"),
+            documents=body.get("documents"),
+            add_generation_prompt=bool(body.get("add_generation_prompt", not cont)),
+            continue_final_message=cont,
+            **kwargs,
+        )
+        flag = body.get("add_special_tokens", False)
+        if not isinstance(flag, bool):
+            raise ProxyError(400, f"add_special_tokens must be a boolean, got {flag!r}")
+        ids, info = self._encode(text, self.session_key(headers, body), flag)
+        out = {k: v for k, v in body.items() if k not in _CHAT_ONLY and k not in SESSION_BODY_FIELDS}
+        if "max_completion_tokens" in body and "max_tokens" not in body:
+            out["max_tokens"] = body["max_completion_tokens"]
+        if body.get("logprobs"):
+            out["logprobs"] = int(body.get("top_logprobs") or 1)
+        out["prompt"] = ids
+        return out, info
+
+    # ------------------------------------------------------------ upstream
+
+    def url(self, path: str) -> str:
+        return self.upstream + path
+
+    def open_upstream(self, method: str, path: str, body: bytes | None, headers: dict[str, str]):
+        """Send the request upstream; returns the open response (any status)."""
+        fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+        if body is not None:
+            fwd["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.url(path), data=body, method=method, headers=fwd)
+        try:
+            return urllib.request.urlopen(req, timeout=self.timeout_s)
+        except urllib.error.HTTPError as e:
+            return e
+        except (urllib.error.URLError, OSError) as e:
+            raise ProxyError(502, f"upstream {self.upstream} unreachable: {e}", "upstream_error") from e
+
+
+# ---------------------------------------------------------------- chat reply translation
+
+
+def chat_from_completion(reply: dict[str, Any]) -> dict[str, Any]:
+    """A ``text_completion`` reply as a ``chat.completion`` (``text`` -> ``message.content``)."""
+    out = {k: v for k, v in reply.items() if k != "choices"}
+    out["object"] = "chat.completion"
+    out["choices"] = [
+        {**{k: v for k, v in c.items() if k not in ("text", "logprobs")},
+         "message": {"role": "assistant", "content": c.get("text", "")},
+         "logprobs": c.get("logprobs")}
+        for c in reply.get("choices", [])
+    ]
+    return out
+
+
+def chat_chunk_from_completion(chunk: dict[str, Any], started: set[int]) -> dict[str, Any]:
+    """A streamed ``text_completion`` chunk as a ``chat.completion.chunk`` (``text`` -> ``delta.content``;
+    the first chunk of each choice also carries ``role``)."""
+    out = {k: v for k, v in chunk.items() if k != "choices"}
+    out["object"] = "chat.completion.chunk"
+    choices = []
+    for c in chunk.get("choices", []):
+        idx = c.get("index", 0)
+        delta: dict[str, Any] = {}
+        if idx not in started:
+            started.add(idx)
+            delta["role"] = "assistant"
+        if c.get("text"):
+            delta["content"] = c["text"]
+        choices.append({**{k: v for k, v in c.items() if k not in ("text", "logprobs")},
+                        "delta": delta, "logprobs": c.get("logprobs")})
+    out["choices"] = choices
+    return out
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
+# ---------------------------------------------------------------- HTTP server
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "toktier-proxy"
+    proxy: TokenProxy  # set on the subclass made by make_server
+
+    def log_message(self, fmt, *args):  # route through logging, not stderr
+        log.info("%s - %s", self.address_string(), fmt % args)
+
+    # -------------------------------------------------------- plumbing
+
+    def _headers(self) -> dict[str, str]:
+        return {k.lower(): v for k, v in self.headers.items()}
+
+    def _read_body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _send_json(self, status: int, obj: Any, extra: dict[str, str] | None = None) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, e: ProxyError) -> None:
+        self._send_json(e.status, {"error": {"message": e.message, "type": e.kind, "code": e.status}})
+
+    def _chunk(self, data: bytes) -> None:
+        if data:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+    # -------------------------------------------------------- verbs
+
+    def do_GET(self):  # noqa: N802
+        if self.path.rstrip("/") == "/health":
+            return self._send_json(200, {"status": "ok", "upstream": self.proxy.upstream,
+                                         "sessions": len(self.proxy.cache)})
+        self._passthrough("GET", None)
+
+    def do_POST(self):  # noqa: N802
+        raw = self._read_body()
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path not in ("/v1/completions", "/v1/chat/completions"):
+            return self._passthrough("POST", raw)
+        try:
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError as e:
+                raise ProxyError(400, f"request body is not JSON: {e}") from e
+            if not isinstance(body, dict):
+                raise ProxyError(400, "request body must be a JSON object")
+            chat = path == "/v1/chat/completions"
+            try:
+                fwd, info = (self.proxy.chat_body if chat else self.proxy.completion_body)(body, self._headers())
+            except ToktierError as e:
+                raise ProxyError(400, f"{type(e).__name__}: {e}") from e
+            resp = self.proxy.open_upstream("POST", "/v1/completions", json.dumps(fwd).encode(), self._fwd_headers())
+            self._relay(resp, info, chat=chat, stream=bool(body.get("stream")))
+        except ProxyError as e:
+            self._send_error(e)
+
+    # -------------------------------------------------------- relays
+
+    def _fwd_headers(self) -> dict[str, str]:
+        skip = {self.proxy.session_header.lower()}
+        return {k: v for k, v in self.headers.items() if k.lower() not in skip}
+
+    def _passthrough(self, method: str, raw: bytes | None) -> None:
+        try:
+            resp = self.proxy.open_upstream(method, self.path, raw, self._fwd_headers())
+        except ProxyError as e:
+            return self._send_error(e)
+        with resp:
+            data = resp.read()
+            self.send_response(resp.status)
+            ctype = resp.headers.get("Content-Type")
+            if ctype:
+                self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    def _relay(self, resp, info: dict[str, str], *, chat: bool, stream: bool) -> None:
+        with resp:
+            status = resp.status
+            ctype = resp.headers.get("Content-Type", "")
+            if status >= 400 or not (stream and "text/event-stream" in ctype):
+                data = resp.read()
+                if chat and status < 400:
+                    try:
+                        data = json.dumps(chat_from_completion(json.loads(data))).encode()
+                    except (ValueError, AttributeError, TypeError):
+                        pass  # not a completion reply: relay as is
+                self.send_response(status)
+                self.send_header("Content-Type", ctype or "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in info.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_response(status)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            for k, v in info.items():
+                self.send_header(k, v)
+            self.end_headers()
+            started: set[int] = set()
+            for line in _lines(resp):
+                if chat and line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
+                    try:
+                        chunk = chat_chunk_from_completion(json.loads(line[5:]), started)
+                        line = b"data: " + json.dumps(chunk).encode() + b"\n"
+                    except (ValueError, AttributeError, TypeError):
+                        pass
+                self._chunk(line)
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
+
+def _lines(resp) -> Iterable[bytes]:
+    while True:
+        line = resp.readline()
+        if not line:
+            return
+        yield line
+
+
+def make_server(proxy: TokenProxy, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    """A threading HTTP server for ``proxy`` (not started); ``port=0`` picks a free one
+    (``server.server_address[1]``)."""
+    handler = type("ProxyHandler", (_Handler,), {"proxy": proxy})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve_proxy(
+    tokenizer: str | None,
+    upstream: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    chat_template: str | None = None,
+    session_header: str = DEFAULT_SESSION_HEADER,
+    max_sessions: int = 256,
+    min_prefix_chars: int = 2048,
+    session_ttl_s: float = 600.0,
+    timeout_s: float = 600.0,
+) -> int:
+    """Run the proxy until SIGTERM/SIGINT. Returns the exit code (0 on a clean stop)."""
+    proxy = TokenProxy.from_spec(tokenizer, upstream, chat_template=chat_template, session_header=session_header,
+                                 timeout_s=timeout_s)
+    proxy.cache = SessionCache(proxy.tokenizer, max_sessions=max_sessions, min_prefix_chars=min_prefix_chars,
+                               ttl_s=session_ttl_s)
+    server = make_server(proxy, host, port)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=server.serve_forever, name="toktier-proxy", daemon=True)
+    thread.start()
+    print(f"toktier proxy: http://{server.server_address[0]}:{server.server_address[1]} -> {proxy.upstream}/v1/completions "
+          f"(tokenizer {proxy.tokenizer.path}, chat template {'yes' if proxy.renderer else 'none'}, "
+          f"session header {session_header})", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+        print("toktier proxy: stopping", flush=True)
+        return 0
+    finally:
+        server.shutdown()
+        server.server_close()
+        for s, h in previous.items():
+            signal.signal(s, h)
