@@ -1,0 +1,76 @@
+"""L1 smoke: ``load/capacity.py`` end to end in about a minute — starts tritonserver, probes and steps the
+session route and the stateless baseline (Locust users, Poisson arrivals, replayed SWE-agent sessions),
+checks every sampled reply against HF, writes capacity.json, steps.csv and the plots.
+
+The SLO is loose here (1 s): this proves the tooling, not the capacity (see README "Load tests").
+Runs in a subprocess: Locust monkey-patches the standard library for gevent on import.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL = "pip install -e '.[test,serve]' (or '.[load,serve]')"
+
+
+def _require(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(f"{module} is not installed, so the load tests cannot run: {INSTALL}")
+
+
+@pytest.mark.serving
+def test_capacity_smoke(tmp_path):
+    for module in ("locust", "gevent", "matplotlib", "psutil", "tritonclient.grpc"):
+        _require(module)
+    from toktier_backend.serving.server import find_triton_dist
+
+    try:
+        find_triton_dist()
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+    cmd = [
+        sys.executable, str(REPO / "load" / "capacity.py"), "--out", str(tmp_path), "--routes", "session,stateless",
+        "--rates", "20", "--step-s", "3", "--warmup-s", "1.5", "--probe-s", "1.5", "--drain-s", "10",
+        "--context-chars", "20000", "--check-fraction", "1", "--check-max", "24", "--slo-p99-ms", "1000", "--min-samples", "0",
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    took = time.monotonic() - t0
+    log = f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, log
+    assert took < 240, f"smoke run took {took:.0f} s\n{log}"
+
+    result = json.loads((tmp_path / "capacity.json").read_text())
+    assert result["slo_p99_ms"] == 1000
+    assert set(result["routes"]) == {"session", "stateless"}
+    for route, c in result["routes"].items():
+        assert c["max_rps"] == 20, (route, c, log)  # 20 req/s of 20K-char sessions under a 1 s P99
+        assert c["checked"] >= 10 and c["mismatches"] == 0, (route, c)
+        assert c["unloaded_p50_ms"] > 0
+    assert result["ratio"] == pytest.approx(1.0)  # the same offered rate passed on both routes
+
+    rows = list(csv.DictReader((tmp_path / "steps.csv").open()))
+    assert [(r["route"], float(r["offered_rps"])) for r in rows] == [
+        ("session", 0.0), ("session", 20.0), ("stateless", 0.0), ("stateless", 20.0)
+    ]  # the unloaded probe (offered 0), then the rate step
+    for r in rows:
+        assert int(r["n"]) > 0 and int(r["errors"]) == 0 and int(r["unfinished"]) == 0, r
+        assert float(r["p99_ms"]) != round(float(r["p99_ms"]))  # exact floats, not Locust's rounded buckets
+    kinds = json.loads(rows[1]["kinds"])
+    assert {"open", "turn"} <= set(kinds), kinds  # sessions were opened and then sent delta turns
+    assert float(rows[3]["mean_chars_sent"]) > 20_000  # stateless: the whole context every time
+    assert float(rows[1]["mean_chars_sent"]) < float(rows[3]["mean_chars_sent"])
+
+    for name in ("p99_vs_offered.png", "throughput_vs_offered.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    assert "| session | toktier_session | 20.0 |" in (tmp_path / "capacity.md").read_text()
