@@ -358,3 +358,34 @@ def test_handler_runs_sessions_and_chunks_on_its_pool(corpus_text):
     # the session's first turn was chunked (40K chars / 4096); the stateless encode of the same text may
     # reuse it through the prefix index
     assert st["chunk"]["completed"] >= 9
+
+
+def test_engine_calls_from_other_threads_during_chunks(corpus_text):
+    """gigatoken's own ``Tokenizer.encode`` takes a mutable borrow: called while a chunk runs GIL-free it
+    raised ``Already borrowed`` (and the chunk fell back to the reference). The engine's encode must be
+    safe from any number of threads at once."""
+    tok = load("qwen3")
+    p = CpuPool(2, name="test-borrow")
+    enc = ChunkedEncoder(tok, pool=p, chunk_chars=8192, min_chars=0)
+    text = corpus.long_session_text(600_000)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def short_encodes():
+        while not done.is_set():
+            try:
+                tok.engine.encode(corpus_text[:2000])
+            except BaseException as e:  # noqa: BLE001 - collected for the assert
+                errors.append(e)
+
+    t = threading.Thread(target=short_encodes)
+    t.start()
+    try:
+        for _ in range(3):
+            enc.encode_body(text)
+    finally:
+        done.set()
+        t.join()
+        p.shutdown()
+    assert not errors, errors[:1]
+    assert enc.stats["engine_errors"] == 0 and enc.stats["reference_chunks"] == 0

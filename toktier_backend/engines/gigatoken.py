@@ -30,25 +30,25 @@ class GigatokenEngine:
         self._backend = self._tok.backend
         self._one_row = _gigatoken.gigatoken_rs.PadTruncate(0)  # one document: no padding, no truncation
 
-    def encode(self, text: str) -> np.ndarray:
-        # gigatoken returns uint32; ids are < 2**31 for every vocabulary, so the view is exact and free.
-        return np.asarray(self._tok.encode(text)).view(np.int32)
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """Body ids of ``text`` (a ``str`` or its UTF-8 ``bytes``), with the GIL released while Rust runs.
 
-    def encode_nogil(self, text: str | bytes) -> np.ndarray:
-        """:meth:`encode` with the GIL released while the Rust encoder runs, for pool threads.
-
-        ``text`` may be the ``str`` or its UTF-8 ``bytes`` (then gigatoken skips its own conversion, which
-        runs under the GIL: ~3 of ~18 ms CPU for 4M chars of agent text).
-
-        gigatoken 0.10.0 ``Tokenizer.encode`` holds the GIL for the whole call and runs on the calling
-        thread (measured: a Python thread waits the full 4M-char encode, ~15-30 ms, and no worker thread
-        appears), so threads calling it run one at a time. ``encode_batch_padded([text], parallel=False)``
-        runs the same encoder on the calling thread with the GIL released (the same probe waits <= the
-        5 ms switch interval), and a single row needs no padding. gigatoken documents the batch paths as
-        giving identical output; ``tests/parallel`` checks this path against HF on all nine files.
+        Not gigatoken's ``Tokenizer.encode``: in 0.10.0 that holds the GIL for the whole call (a Python
+        thread waits out a 4M-char encode, ~15-30 ms) and takes a *mutable* borrow of the Rust tokenizer,
+        so a second thread calling any method during a GIL-free call gets ``RuntimeError: Already
+        borrowed``. ``encode_batch_padded([text], parallel=False)`` runs the same encoder on the calling
+        thread with the GIL released and a shared borrow (any number of threads at once), and one row
+        needs no padding. Checked equal to ``Tokenizer.encode`` on the canary and on every guard-set probe
+        text (all 1,112,064 scalar values in four contexts) of the nine files in ``shared/tokenizers``, so
+        the guard tables computed with ``Tokenizer.encode`` hold for it; ``tests/parallel`` compares it
+        with HF. Passing ``bytes`` skips gigatoken's own UTF-8 conversion, which runs under the GIL (~3 of
+        ~18 ms CPU for 4M chars of agent text).
 
         Returns:
             ``np.ndarray[int32] (n_tokens,)``, a view of gigatoken's ``uint32`` row (ids < 2**31).
         """
         rows, _ = self._backend.encode_batch_padded([text], self._one_row, parallel=False)
         return rows[0].view(np.int32)
+
+    #: The pool's name for a GIL-free encode (``toktier_backend.parallel`` chunks only engines that have one).
+    encode_nogil = encode
