@@ -188,7 +188,8 @@ def main(argv=None) -> int:
                         counts["errors"] += 1
                         errors.append(f"close: {type(e).__name__}: {str(e)[:300]}")
             else:
-                counts["abandoned"] += 1
+                with lock:
+                    counts["abandoned"] += 1
 
     series: list[dict] = []
 
@@ -201,6 +202,7 @@ def main(argv=None) -> int:
                 "requests": counts["requests"], "errors": counts["errors"],
                 "sessions_held": metric(m, "toktier_sessions"),
                 "session_memory_bytes": metric(m, "toktier_session_memory_bytes"),
+                "prefix_index_bytes": metric(m, "toktier_prefix_index_bytes"),
                 "verifier_samples": metric(m, "toktier_verifier_samples_total"),
                 "verifier_mismatches": metric(m, "toktier_verifier_samples_total", result="mismatch"),
                 "verifier_dropped": metric(m, "toktier_verifier_dropped_total"),
@@ -209,7 +211,8 @@ def main(argv=None) -> int:
             }
         series.append(point)
         print(f"  t={point['t_s']:6.0f}s rss={point['rss_bytes'] / 2**20:7.1f} MiB sessions={point['sessions_held']:4.0f} "
-              f"charged={point['session_memory_bytes'] / 2**20:6.2f} MiB req={point['requests']:6d} "
+              f"charged={point['session_memory_bytes'] / 2**20:6.2f} MiB prefix_index={point['prefix_index_bytes'] / 2**20:6.2f} MiB "
+              f"req={point['requests']:6d} "
               f"err={point['errors']} verified={point['verifier_samples']:.0f} "
               f"mismatch={point['verifier_mismatches']:.0f} evict={point['evictions']}", flush=True)
 
@@ -238,6 +241,9 @@ def main(argv=None) -> int:
         server.stop()
 
     rss = np.array([p["rss_bytes"] for p in series], dtype=float)
+    ts = np.array([p["t_s"] for p in series], dtype=float)
+    warm = ts >= ts[-1] / 3  # after warm-up: RSS slope by least squares, MiB per minute
+    slope = float(np.polyfit(ts[warm] / 60, rss[warm] / 2**20, 1)[0]) if warm.sum() >= 2 else 0.0
     thirds = np.array_split(rss, 3)
     middle, last = float(np.median(thirds[1])), float(np.median(thirds[2]))
     final = series[-1]
@@ -250,6 +256,8 @@ def main(argv=None) -> int:
         "verifier_dropped": final["verifier_dropped"], "evictions": final["evictions"],
         "rss_mib": {"first": rss[0] / 2**20, "max": rss.max() / 2**20, "median_middle_third": middle / 2**20,
                     "median_last_third": last / 2**20},
+        "rss_slope_mib_per_min_after_warmup": slope,
+        "prefix_index_max_mib": max(p["prefix_index_bytes"] for p in series) / 2**20,
         "rss_flat": bool(abs(last - middle) <= args.flat_tolerance * middle),
         "session_memory_max_mib": max(p["session_memory_bytes"] for p in series) / 2**20,
         "session_budget_mib": 2 * args.budget_bytes / 2**20,  # two toktier_session instances

@@ -33,6 +33,7 @@ toktier_sessions                           gauge      model: sessions held
 toktier_session_memory_bytes               gauge      model: bytes charged for them (``Session.nbytes`` + overhead)
 toktier_session_budget_bytes               gauge      model: the byte budget (summed over instances)
 toktier_session_evictions_total            counter    model, cause (idle | budget | start | error)
+toktier_prefix_index_bytes                 gauge      model: the cross-session prefix index (its own budget)
 toktier_cpu_pool_queue_depth               gauge      model: tasks waiting in the shared CPU pool
 toktier_cpu_pool_wait_seconds              gauge      model, priority, stat (mean | p50 | p99 | max): submission to start
 =========================================  =========  ==========================================================
@@ -116,6 +117,9 @@ class Metrics:
                                     ["model"], registry=reg, multiprocess_mode="livesum")
         self.evictions = Counter("toktier_session_evictions", "Sessions dropped other than by END, by cause.",
                                  ["model", "cause"], registry=reg)
+        self.prefix_index_bytes = Gauge("toktier_prefix_index_bytes", "Bytes held by the cross-session prefix "
+                                        "index (bounded by its own budget).", ["model"], registry=reg,
+                                        multiprocess_mode="livesum")
         self.pool_queue = Gauge("toktier_cpu_pool_queue_depth", "Tasks waiting in the shared CPU pool.",
                                 ["model"], registry=reg, multiprocess_mode="livesum")
         self.pool_wait = Gauge("toktier_cpu_pool_wait_seconds", "CPU pool wait (submission to start).",
@@ -171,6 +175,9 @@ class Metrics:
             q = getattr(tokenizer, "quarantined", {})
             for route in ("full", "append", "edit"):
                 self.quarantined.labels(model, route).set(1 if route in q else 0)
+            idx = getattr(tokenizer, "prefix_index", None)
+            if idx is not None:
+                self.prefix_index_bytes.labels(model).set(getattr(idx, "nbytes", 0))
         self._set_pool(model)
 
     def _set_pool(self, model: str) -> None:
