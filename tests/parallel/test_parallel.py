@@ -389,3 +389,22 @@ def test_engine_calls_from_other_threads_during_chunks(corpus_text):
         p.shutdown()
     assert not errors, errors[:1]
     assert enc.stats["engine_errors"] == 0 and enc.stats["reference_chunks"] == 0
+
+
+def test_lone_surrogate_on_every_route_is_invalid_request(corpus_text, monkeypatch):
+    """``Tokenizer.encode`` leaves the surrogate check of a chunked text to the chunks; every other route
+    (short text, prefix-index tail, quarantined route, reference-only flag) still raises InvalidRequest."""
+    tok = tt.load_tokenizer(tt.default_tokenizer_path())
+    tok.chunked.min_chars, tok.chunked.chunk_chars = 20_000, 4096
+    base = corpus_text[:60_000]
+    tok.encode(base)  # indexed as a prefix
+    if tok.prefix_index is not None and hasattr(tok.prefix_index, "drain"):
+        tok.prefix_index.drain()
+    for text in (base[:100] + "\udfff",                       # short: whole-text check
+                 base[:30_000] + "\ud800" + base[30_000:],     # chunked
+                 base + " tail \ud800 x"):                     # a prefix hit, then a short tail
+        with pytest.raises(tt.InvalidRequest, match="lone surrogate"):
+            tok.encode(text)
+    tok.quarantine("full", "test")
+    with pytest.raises(tt.InvalidRequest, match="lone surrogate"):
+        tok.encode(base[:30_000] + "\ud800" + base[30_000:])
