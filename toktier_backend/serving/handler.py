@@ -432,7 +432,8 @@ class Handler:
             dropped = self.verifier.dropped - self._dropped_seen
             self._dropped_seen += dropped
         self.metrics.set_state(model, store=self.store if model == "toktier_session" else None,
-                               verifier=self.verifier, tokenizer=self.tokenizer, dropped_delta=dropped)
+                               verifier=self.verifier, tokenizer=self.tokenizer, dropped_delta=dropped,
+                               pool=getattr(self, "pool", None))
 
     # ------------------------------------------------------------ checks
 

@@ -78,8 +78,9 @@ class Metrics:
     Args:
         registry: a ``prometheus_client.CollectorRegistry`` (default: the global one; in multiprocess mode
             the values go to ``$PROMETHEUS_MULTIPROC_DIR`` regardless).
-        pool_stats: a callable returning the CPU pool's ``stats()`` dict (default: the shared pool of
-            ``toktier_backend.parallel``, when that module is in use).
+        pool_stats: a callable returning the CPU pool's ``stats()`` dict; overrides the ``pool`` the handler
+            passes to :meth:`set_state` (default: that pool, else ``toktier_backend.parallel``'s shared pool
+            once created).
     """
 
     def __init__(self, registry: Any = None, *, pool_stats: Callable[[], dict | None] | None = None):
@@ -124,7 +125,9 @@ class Metrics:
                                 ["model"], registry=reg, multiprocess_mode="livesum")
         self.pool_wait = Gauge("toktier_cpu_pool_wait_seconds", "CPU pool wait (submission to start).",
                                ["model", "priority", "stat"], registry=reg, multiprocess_mode="livemax")
+        self._explicit_pool_stats = pool_stats is not None
         self.pool_stats = pool_stats or _shared_pool_stats
+        self._pool_next = 0.0  # pool stats cost percentiles over a window: refreshed at most once a second
 
     # ------------------------------------------------------------ recording
 
@@ -161,8 +164,9 @@ class Metrics:
             self.verifier_mismatches.labels(model, route).inc()
 
     def set_state(self, model: str, *, store: Any = None, verifier: Any = None, tokenizer: Any = None,
-                  dropped_delta: int = 0) -> None:
-        """Refresh the gauges from the live objects (cheap: O(1) each)."""
+                  dropped_delta: int = 0, pool: Any = None) -> None:
+        """Refresh the gauges from the live objects (O(1) each; the CPU pool's at most once a second, from
+        ``pool.stats()`` when given, else the ``pool_stats`` callable)."""
         if store is not None:
             self.sessions.labels(model).set(len(store))
             self.session_bytes.labels(model).set(store.nbytes)
@@ -178,11 +182,20 @@ class Metrics:
             idx = getattr(tokenizer, "prefix_index", None)
             if idx is not None:
                 self.prefix_index_bytes.labels(model).set(getattr(idx, "nbytes", 0))
-        self._set_pool(model)
+        self._set_pool(model, pool)
 
-    def _set_pool(self, model: str) -> None:
+    def _set_pool(self, model: str, pool: Any = None) -> None:
+        import time
+
+        now = time.monotonic()
+        if now < self._pool_next:
+            return
+        self._pool_next = now + 1.0
         try:
-            stats = self.pool_stats()
+            if not self._explicit_pool_stats and pool is not None and hasattr(pool, "stats"):
+                stats = pool.stats()
+            else:
+                stats = self.pool_stats()
         except Exception:  # a metrics source must never fail a request
             return
         if not stats:
