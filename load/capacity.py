@@ -144,6 +144,7 @@ class Step:
     max_ms: float
     service_p50_ms: float
     service_p99_ms: float
+    lag_p99_ms: float
     mean_chars_sent: float
     mean_context_chars: float
     checked: int
@@ -211,7 +212,7 @@ def run_step(route: str, rate: float | None, index: int, args, rt, meter: CpuMet
         route=route, index=index, offered_rps=round(rate, 3) if rate is not None else 0.0, users=users, achieved_rps=round(stats.achieved_rps, 3),
         n=stats.n, errors=stats.errors, unfinished=stats.unfinished, p50_ms=stats.p50_ms, p90_ms=stats.p90_ms,
         p99_ms=stats.p99_ms, max_ms=stats.max_ms, service_p50_ms=stats.service_p50_ms,
-        service_p99_ms=stats.service_p99_ms,
+        service_p99_ms=stats.service_p99_ms, lag_p99_ms=stats.lag_p99_ms,
         mean_chars_sent=round(stats.mean_chars, 1), mean_context_chars=round(stats.mean_context, 1),
         checked=checked, mismatches=bad, generator_cpu_pct=round(gen, 1), server_cpu_pct=round(srv, 1),
         machine_cpu_pct=round(machine, 1), passed=not why, why="; ".join(why), first_error=stats.first_error,

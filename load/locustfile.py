@@ -384,12 +384,15 @@ class StepRateShape(LoadTestShape):
     """Open loop: offers each rate of ``--rates`` for ``--step-s`` seconds (users = rate x ``--think-s``,
     capped by ``--max-sessions``), then stops. Closed loop: ``-u`` users until ``--run-time``."""
 
+    use_common_options = True  # -u, -r and --run-time reach tick() (closed loop)
     steps: list[tuple[float, float]] = []  # (clock time the step started, rate)
 
     def tick(self):
         opts = self.runner.environment.parsed_options
         cls = USER_CLASSES[opts.route]
         if opts.arrivals == "closed" or not opts.rates:
+            if opts.run_time and self.get_run_time() >= opts.run_time:
+                return None
             return (opts.num_users or 1, opts.spawn_rate or 1, [cls])
         rates = _rates(opts.rates)
         i = int(self.get_run_time() // opts.step_s)

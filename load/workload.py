@@ -261,6 +261,7 @@ class StepStats:
     max_ms: float
     service_p50_ms: float  # sent -> reply
     service_p99_ms: float
+    lag_p99_ms: float  # due -> sent: the session still busy, or the generator late (starved of CPU)
     mean_chars: float  # chars sent per request
     mean_context: float  # chars of the session text per request
     kinds: dict[str, dict] = field(default_factory=dict)  # per request kind: n, p50_ms, p99_ms
@@ -281,6 +282,7 @@ class StepStats:
             p50_ms=percentile(lat, 50), p90_ms=percentile(lat, 90), p99_ms=percentile(lat, 99),
             max_ms=float(lat.max()) if lat.size else float("nan"), service_p50_ms=percentile(svc, 50),
             service_p99_ms=percentile(svc, 99),
+            lag_p99_ms=percentile(np.array([(s.sent - s.scheduled) * 1e3 for s in samples]), 99),
             mean_chars=float(np.mean([s.chars for s in samples])) if samples else 0.0,
             mean_context=float(np.mean([s.context for s in samples])) if samples else 0.0,
             kinds=kinds, first_error=errors[0].error[:300] if errors else "",
