@@ -367,13 +367,18 @@ def plot(out: Path, all_steps: dict[str, list[Step]], slo: float) -> None:
 
     colors = {"session": "tab:green", "stateless": "tab:blue", "stateless_hf": "tab:red"}
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    finite = [s.p99_ms for steps in all_steps.values() for s in steps if math.isfinite(s.p99_ms)]
+    ceiling = max(finite + [slo]) * 2  # where an infinite P99 (unfinished requests) is drawn
     for route, steps in all_steps.items():
         pts = sorted((s.offered_rps, s.p99_ms, s.passed) for s in steps)
         if not pts:
             continue
-        top = max((p[1] for p in pts if math.isfinite(p[1])), default=slo)
         xs = [p[0] for p in pts]
-        ys = [p[1] if math.isfinite(p[1]) else max(top, slo) * 2 for p in pts]
+        ys = [p[1] if math.isfinite(p[1]) else ceiling for p in pts]
+        for x, p in zip(xs, pts):
+            if not math.isfinite(p[1]):
+                ax.annotate("inf", (x, ceiling), textcoords="offset points", xytext=(4, 4), fontsize=8,
+                            color=colors.get(route))
         ax.plot(xs, ys, "-", color=colors.get(route), label=f"{route} ({MODELS[route]})")
         ax.scatter([x for x, p in zip(xs, pts) if p[2]], [y for y, p in zip(ys, pts) if p[2]], color=colors.get(route),
                    marker="o", zorder=3)
@@ -384,7 +389,7 @@ def plot(out: Path, all_steps: dict[str, list[Step]], slo: float) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("offered load (req/s, Poisson)")
     ax.set_ylabel("P99 latency (ms, due -> reply)")
-    ax.set_title("P99 vs offered load (o pass, x fail)")
+    ax.set_title("P99 vs offered load (o pass, x fail; inf: requests left unanswered)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -398,11 +403,12 @@ def plot(out: Path, all_steps: dict[str, list[Step]], slo: float) -> None:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors.get(route), label=route)
             hi = max(hi, max(p[0] for p in pts))
-    ax.plot([0.5, hi * 1.2], [0.5, hi * 1.2], "k:", lw=1, label="throughput = offered")
+    lo = min((s.offered_rps for steps in all_steps.values() for s in steps), default=1.0)
+    ax.plot([lo / 1.25, hi * 1.25], [lo / 1.25, hi * 1.25], "k:", lw=1, label="throughput = offered")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("offered load (req/s, Poisson)")
-    ax.set_ylabel("throughput (successful replies/s)")
+    ax.set_ylabel("throughput (successful replies/s in the window)")
     ax.set_title("Throughput vs offered load")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -235,7 +235,8 @@ class Recorder:
         """Stats of the requests of ``route`` due in ``[t0, t1)``."""
         inside = [s for s in self.samples if s.route == route and t0 <= s.scheduled < t1]
         due = sum(1 for t in self._due if t0 <= t < t1)
-        return StepStats.of(inside, due=due, seconds=t1 - t0)
+        answered = sum(1 for s in self.samples if s.route == route and s.ok and t0 <= s.done < t1)
+        return StepStats.of(inside, due=due, seconds=t1 - t0, answered=answered)
 
 
 def percentile(values: np.ndarray, q: float) -> float:
@@ -266,9 +267,10 @@ class StepStats:
     mean_context: float  # chars of the session text per request
     kinds: dict[str, dict] = field(default_factory=dict)  # per request kind: n, p50_ms, p99_ms
     first_error: str = ""
+    answered: int | None = None  # successful replies that arrived within the window (throughput)
 
     @classmethod
-    def of(cls, samples: list[Sample], *, due: int, seconds: float) -> "StepStats":
+    def of(cls, samples: list[Sample], *, due: int, seconds: float, answered: int | None = None) -> "StepStats":
         unfinished = max(0, due - len(samples))
         lat = np.array([s.latency_ms for s in samples] + [math.inf] * unfinished, dtype=np.float64)
         svc = np.array([s.service_ms for s in samples], dtype=np.float64)
@@ -285,13 +287,15 @@ class StepStats:
             lag_p99_ms=percentile(np.array([(s.sent - s.scheduled) * 1e3 for s in samples]), 99),
             mean_chars=float(np.mean([s.chars for s in samples])) if samples else 0.0,
             mean_context=float(np.mean([s.context for s in samples])) if samples else 0.0,
-            kinds=kinds, first_error=errors[0].error[:300] if errors else "",
+            kinds=kinds, first_error=errors[0].error[:300] if errors else "", answered=answered,
         )
 
     @property
     def achieved_rps(self) -> float:
-        """Successful replies per second of the window."""
-        return (self.n - self.errors) / self.seconds if self.seconds > 0 else 0.0
+        """Throughput: successful replies that arrived within the window, per second (without ``answered``:
+        the successful replies to requests due in it)."""
+        ok = self.answered if self.answered is not None else self.n - self.errors
+        return ok / self.seconds if self.seconds > 0 else 0.0
 
 
 # ---------------------------------------------------------------- reference checks (off the timed path)

@@ -89,6 +89,11 @@ def test_recorder_window_counts_due_arrivals():
     rec.add(Sample("stateless", "encode", 0.5, 0.5, 0.501, True, 100))
     st = rec.window("stateless", 1.0, 3.0)
     assert (st.n, st.due, st.unfinished) == (1, 2, 1)
+    rec.add(Sample("stateless", "encode", 2.5, 2.5, 3.5, True, 100))  # due inside, answered after the window
+    st = rec.window("stateless", 1.0, 3.0)
+    assert (st.n, st.unfinished, st.answered) == (2, 0, 1)
+    assert st.achieved_rps == 0.5  # throughput counts replies within the window
+    assert st.p99_ms == pytest.approx(float(np.percentile([2.0, 1000.0], 99)))  # the late one sets the tail
 
 
 def test_reference_checker_catches_a_wrong_reply():
