@@ -74,3 +74,19 @@ def test_capacity_smoke(tmp_path):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
     assert "| session | toktier_session | 20.0 |" in (tmp_path / "capacity.md").read_text()
+
+
+def test_baseline_model_config_parses():
+    """``load/models/toktier_encode_hf``: same tensors as ``toktier_encode``, its own name, a tokenizer parameter
+    that ``prepare_repository`` substitutes."""
+    _require("tritonclient.grpc")
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    folder = REPO / "load" / "models" / "toktier_encode_hf"
+    cfg = text_format.Parse((folder / "config.pbtxt").read_text(), pb.ModelConfig())
+    ref = text_format.Parse((REPO / "model_repository" / "toktier_encode" / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert cfg.name == "toktier_encode_hf" and cfg.backend == "python" and (folder / "1" / "model.py").is_file()
+    assert [(i.name, i.data_type) for i in cfg.input] == [(i.name, i.data_type) for i in ref.input]
+    assert [(o.name, o.data_type) for o in cfg.output] == [(o.name, o.data_type) for o in ref.output]
+    assert cfg.parameters["tokenizer"].string_value == "default"
