@@ -1,30 +1,52 @@
-"""Fresh full-encode benchmark (skeleton): one whole document, no session state, ours vs the anchors.
+"""Fresh full-encode benchmark: one whole document, no session state, ours (serial and parallel) vs the anchors.
 
-Per tokenizer and size (chars), ``--samples`` different texts (windows of the SWE-agent corpus rendered
-as ChatML, each starting at a different offset, so no system can serve one from a cache) are encoded by:
+**Fresh encodes** (default). Per tokenizer and size (chars), ``--samples`` different texts (windows of the
+SWE-agent corpus rendered as ChatML, each starting ``STRIDE`` chars after the last, so no system can serve
+one from a cache) are encoded by each system in turn (one system over all samples, then the next; HF last):
 
-- ``hf``: HF ``tokenizers`` ``encode(text, add_special_tokens=False)``, serial (the reference);
-- ``gigatoken``: ``gigatoken.Tokenizer.encode`` (it parallelizes one large document across cores);
+- ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with chunking off (``chunked.min_chars``
+  infinite): validation, guard check, one whole-text gigatoken encode;
+- ``ours_par``: the same call with the shipped settings: chunked at stable cuts above
+  ``parallel.MIN_CHARS``, chunks on the shared pool (``toktier_backend.parallel``);
+- ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``parallel.py``);
 - ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k);
-- ``ours``: ``toktier_backend`` ``Tokenizer.encode(text, add_special_tokens=False)``, serial.
+- ``toktier_chunked``: toktier 0.3.0 ``toktier.chunked.encode`` (qwen3, deepseek_v3, llama3_1 only);
+- ``hf``: HF ``tokenizers`` ``encode(text, add_special_tokens=False)``, serial (the reference).
 
 All columns are the core stream. Exactness first: every column is compared with HF on each sample HF ran
-on (the first ``--hf-samples``); a column with a mismatch is printed as INEXACT.
+on (the first ``--hf-samples``); ``ours_par`` is also compared with ``ours`` on every sample. A column with
+a mismatch is printed as INEXACT. Our tokenizers' prefix index (a separate feature) is drained, untimed,
+between samples, and each of ``ours``/``ours_par`` has its own tokenizer, so neither reuses the other's work.
 
-TODO (later issue): ours parallel (chunked at stable cuts on a shared pool) and a mixed-load run
-(full encodes competing with session appends).
+**Mixed load** (``--mixed``): a stream of short session repairs (``Session.append`` of a 1.0K-2.5K-char
+turn, submitted at ``REPAIR`` priority) while 4M-char fresh encodes arrive back to back on the same
+``CpuPool``: repair latency p50/p99 with no encodes, with a plain FIFO pool, and with the shared pool's
+priority; and, with ``--mixed-processes``, with the encodes in *another process* (as ``toktier_encode``
+beside ``toktier_session`` in Triton) whose pool workers run at nice 0 or nice 10.
+
+**Pathological** (``--pathological``): runs of 250K and 1M ``a``, ``-``, spaces, newlines, digits through
+``ours``, ``ours_par`` and a session (``update`` then a one-char ``append``: five widenings find no cut, then
+a full encode); exact against HF at every size; the 1M/250K time ratio shows linear scaling (~4).
+
+**Tuning** (``--tune``): chunk size sweep and the whole-vs-chunked crossover, for ``parallel.CHUNK_CHARS``
+and ``parallel.MIN_CHARS``.
 
 Usage:
-    python bench/full_encode.py --tokenizers qwen3 --sizes 100000,1000000,4000000 --samples 8
+    python bench/full_encode.py --tokenizers qwen3,llama3_1,deepseek_v3,gpt2 --sizes 100000,1000000,4000000
+    python bench/full_encode.py --only mixed --mixed-processes
+    python bench/full_encode.py --only pathological --tokenizers qwen3,gpt2,gemma3
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
+import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,12 +54,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anchors as A  # noqa: E402
-from repair import timed  # noqa: E402
+from repair import session_base, summary, timed, turn_deltas  # noqa: E402
 
 A.ensure_repo_on_path()
 
-SYSTEMS = ("ours", "gigatoken", "fastokens", "hf")
+SYSTEMS = ("ours", "ours_par", "gigatoken", "fastokens", "toktier_chunked", "hf")
+LABELS = {
+    "ours": "ours serial", "ours_par": "ours parallel", "gigatoken": "gigatoken", "fastokens": "fastokens",
+    "toktier_chunked": "toktier chunked", "hf": "HF (reference)",
+}
 STRIDE = 7919  # chars between the starts of consecutive samples
+RUNS = {"a": "a", "dash": "-", "space": " ", "newline": "\n", "digit": "7"}
 
 
 def sample_texts(size: int, n: int, folder: Path) -> list[str]:
@@ -48,41 +75,415 @@ def sample_texts(size: int, n: int, folder: Path) -> list[str]:
     return [big[k * STRIDE: k * STRIDE + size] for k in range(n)]
 
 
-def run_size(systems: dict, texts: list[str], hf_samples: int) -> dict:
+def load_ours(path: Path, *, parallel: bool):
+    """A fresh tokenizer for one ``ours`` column (its own prefix index)."""
+    import toktier_backend as tt
+
+    tok = tt.load_tokenizer(path)
+    if not parallel:
+        tok.chunked.min_chars = 1 << 62
+    return tok
+
+
+def drain(tok) -> None:
+    idx = getattr(tok, "prefix_index", None)
+    if idx is not None and hasattr(idx, "drain"):
+        idx.drain()
+
+
+def toktier_chunked(name: str, path: Path) -> A.Anchor:
+    """toktier 0.3.0 ``toktier.chunked.encode`` on the toktier tokenizer of ``name`` (core stream)."""
+    family = A.TOKTIER_FAMILIES.get(name)
+    if family is None:
+        return A.Anchor("toktier_chunked", None, f"toktier 0.3.0 has no family for {name}")
+    try:
+        import toktier.chunked as tc
+
+        tok = A.toktier_tokenizer(family, path)
+        tc.encode(tok, "warm up <|im_start|>user\nhello world<|im_end|>\n" * 200)
+    except Exception as e:
+        return A.Anchor("toktier_chunked", None, f"{type(e).__name__}: {e}", A._version("toktier"))
+
+    def encode(text: str) -> np.ndarray:
+        return np.asarray(tc.encode(tok, text).ids, dtype=np.int64)
+
+    return A.Anchor("toktier_chunked", encode, version=A._version("toktier"))
+
+
+# -- fresh encodes ------------------------------------------------------------------------------------
+
+def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> dict:
+    """Each system over all samples (HF last, on the first ``hf_samples``); then every check."""
     ms = {k: [] for k in systems}
+    got: dict[str, list] = {k: [] for k in systems}
+    chunks: list[int] = []
+    for name, encode in systems.items():
+        n = hf_samples if name == "hf" else len(texts)
+        for text in texts[:n]:
+            tok = toks.get(name)
+            before = tok.chunked.stats["chunks"] if tok is not None else 0
+            t, ids = timed(lambda: encode(text))
+            ms[name].append(t)
+            got[name].append(np.array(ids, dtype=np.int64))
+            if name == "ours_par":
+                chunks.append(tok.chunked.stats["chunks"] - before)
+            if tok is not None:
+                drain(tok)
     checked = {k: 0 for k in systems}
     bad = {k: 0 for k in systems}
-    for k, text in enumerate(texts):
-        got = {}
-        for name, encode in systems.items():
-            if name == "hf" and k >= hf_samples:
+    for name in systems:
+        if name == "hf":
+            continue
+        for k, ids in enumerate(got[name]):
+            if "hf" in got and k < len(got["hf"]):
+                want, against = got["hf"][k], "hf"
+            elif name == "ours_par" and "ours" in got:
+                want, against = got["ours"][k], "ours"
+            else:
                 continue
-            t, got[name] = timed(lambda: encode(text))
-            ms[name].append(t)
-        if "hf" in got:
-            for name, ids in got.items():
-                if name == "hf":
+            checked[name] += 1
+            at = A.first_mismatch(ids, want)
+            if at is not None:
+                bad[name] += 1
+                print(f"  MISMATCH {name} vs {against}: sample {k} ({len(texts[k])} chars): first diff at id {at}",
+                      flush=True)
+    out = {name: dict(summary(v), checked=checked[name], mismatches=bad[name]) for name, v in ms.items() if v}
+    if chunks:
+        out["ours_par"]["chunks_p50"] = A.percentile(chunks, 50)
+    return out
+
+
+def print_size(name: str, size: int, r: dict) -> dict:
+    ours = r.get("ours", {}).get("p50_ms")
+    print(f"\n{name} @ {size:,} chars")
+    print(f"  {'system':<16} {'n':>3} {'p50 ms':>9} {'p90 ms':>9} {'x ours p50':>11}  exact")
+    for key in SYSTEMS:
+        if key not in r:
+            continue
+        v = r[key]
+        exact = "reference" if key == "hf" else (
+            "unchecked" if not v["checked"] else
+            "yes" if not v["mismatches"] else f"INEXACT {v['mismatches']}/{v['checked']}")
+        ratio = f"{A.fmt_ratio(v['p50_ms'] / ours):>10}x" if ours and key != "ours" else f"{'':>11}"
+        extra = f"  ({v['chunks_p50']:.0f} chunks)" if "chunks_p50" in v else ""
+        print(f"  {LABELS[key]:<16} {v['n']:>3} {v['p50_ms']:>9.2f} {v['p90_ms']:>9.2f} {ratio}  {exact}{extra}",
+              flush=True)
+    anchors = {k: v["p50_ms"] for k, v in r.items()
+               if k not in ("ours", "ours_par") and v["checked"] and not v["mismatches"] or k == "hf"}
+    ratios = {}
+    if "ours_par" in r and ours:
+        par = r["ours_par"]["p50_ms"]
+        ratios["ours_serial_over_par"] = ours / par
+        if anchors:
+            best = min(anchors, key=anchors.get)
+            ratios["fastest_exact_anchor"] = best
+            ratios["fastest_anchor_over_par"] = anchors[best] / par
+        print(f"  ours parallel: {ratios['ours_serial_over_par']:.2f}x ours serial" + (
+            f", {ratios['fastest_anchor_over_par']:.2f}x the fastest exact anchor ({ratios['fastest_exact_anchor']})"
+            if anchors else ""), flush=True)
+    return ratios
+
+
+def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
+    bad = 0
+    for name in args.tokenizers.split(","):
+        path = A.tokenizer_path(name, shared)
+        print(f"\n=== {name} ({path})", flush=True)
+        tok_s, tok_p = load_ours(path, parallel=False), load_ours(path, parallel=True)
+        anchors = [A.Anchor("ours", lambda t, tok=tok_s: tok.encode(t, add_special_tokens=False)),
+                   A.Anchor("ours_par", lambda t, tok=tok_p: tok.encode(t, add_special_tokens=False)),
+                   A.gigatoken(path), A.fastokens(path), toktier_chunked(name, path), A.hf(path)]
+        systems = {a.name: a.encode for a in anchors if a.encode is not None}
+        skipped = {a.name: a.reason for a in anchors if a.encode is None}
+        for k, why in skipped.items():
+            print(f"  {k}: skipped: {why}")
+        for t in ("warm up " * 40_000, ):  # pool threads, caches
+            tok_p.encode(t), tok_s.encode(t)
+        entry = {"path": str(path), "skipped": skipped, "sizes": {},
+                 "chunk_chars": tok_p.chunked.chunk_chars, "min_chars": tok_p.chunked.min_chars,
+                 "pool_workers": tok_p.chunked.pool.workers}
+        for size in (int(x) for x in args.sizes.split(",")):
+            r = run_size(systems, sample_texts(size, args.samples, folder), args.hf_samples,
+                         {"ours": tok_s, "ours_par": tok_p})
+            ratios = print_size(name, size, r)
+            entry["sizes"][str(size)] = {"systems": r, "ratios": ratios}
+            bad += sum(v["mismatches"] for k, v in r.items() if k in ("ours", "ours_par"))
+        results["fresh"][name] = entry
+    return bad
+
+
+# -- mixed load ---------------------------------------------------------------------------------------
+
+def _repair_stream(s, deltas: list[str], n: int, pool, rng: random.Random, gap_ms: tuple[float, float],
+                   stop: threading.Event | None = None) -> list[float]:
+    """``n`` appends, each submitted at REPAIR priority after a random gap; returns their latencies (ms)."""
+    from toktier_backend.parallel import REPAIR
+
+    lat = []
+    for k in range(n):
+        time.sleep(rng.uniform(*gap_ms) / 1e3)
+        delta = deltas[k % len(deltas)]
+        t0 = time.perf_counter_ns()
+        if pool is None:
+            s.append(delta)
+        else:
+            pool.call(s.append, delta, priority=REPAIR)
+        lat.append((time.perf_counter_ns() - t0) / 1e6)
+    if stop is not None:
+        stop.set()
+    return lat
+
+
+def mixed_once(path: Path, folder: Path, *, mode: str, size: int, n: int, base_chars: int, seed: int) -> dict:
+    """One mixed-load run. ``mode``: ``idle`` (no encodes), ``fifo`` or ``priority`` (encodes on the pool)."""
+    import tokenizers
+
+    import toktier_backend as tt
+    from toktier_backend.parallel import CpuPool
+
+    pool = CpuPool(fifo=(mode == "fifo"), name=f"bench-{mode}")
+    tok = tt.load_tokenizer(path)
+    tok.chunked.pool = pool
+    tok.prefix_index = None  # scheduling only: no prefix reuse, no background indexer
+    texts = sample_texts(size, 3, folder)
+    base = session_base(base_chars, folder)
+    deltas = turn_deltas(folder)
+    s = tok.session(add_special_tokens=False)
+    s.update(base)
+    for d in deltas[:3]:  # warm
+        pool.call(s.append, d)
+    tok.encode(texts[0], add_special_tokens=False)
+    stop = threading.Event()
+    enc_ms: list[float] = []
+    first_ids: list[np.ndarray] = []
+
+    def encoder():
+        k = 0
+        while not stop.is_set():
+            t0 = time.perf_counter_ns()
+            ids = tok.encode(texts[k % len(texts)], add_special_tokens=False)
+            enc_ms.append((time.perf_counter_ns() - t0) / 1e6)
+            if not first_ids:
+                first_ids.append(np.array(ids))
+            k += 1
+
+    th = threading.Thread(target=encoder, daemon=True) if mode != "idle" else None
+    if th is not None:
+        th.start()
+        while not enc_ms:
+            time.sleep(0.001)
+    lat = _repair_stream(s, deltas[3:], n, pool, random.Random(seed), (1.0, 6.0), stop)
+    if th is not None:
+        th.join()
+    # exactness: the grown session and one 4M encode, against HF
+    ref = tokenizers.Tokenizer.from_file(str(path))
+    bad = int(A.first_mismatch(s.ids, ref.encode(s.text, add_special_tokens=False).ids) is not None)
+    if first_ids:
+        bad += int(A.first_mismatch(first_ids[0], ref.encode(texts[0], add_special_tokens=False).ids) is not None)
+    st = pool.stats()
+    pool.shutdown(wait=False)
+    return {"mode": mode, "repairs": summary(lat), "repair_p99_ms": A.percentile(lat, 99),
+            "encodes": summary(enc_ms), "mismatches": bad, "pool": st, "session_chars": len(s),
+            "loadavg": os.getloadavg()[0]}
+
+
+def _encoder_process(path: str, folder: str, size: int, nice: int, ready, stop) -> None:
+    """Another process looping fresh encodes on its own pool (``toktier_encode`` beside ``toktier_session``)."""
+    sys.path.insert(0, str(A.REPO))
+    import toktier_backend as tt
+    from toktier_backend import parallel
+
+    parallel.configure_shared_pool(nice=nice)
+    tok = tt.load_tokenizer(path)
+    tok.prefix_index = None
+    texts = sample_texts(size, 3, Path(folder))
+    tok.encode(texts[0])
+    ready.set()
+    k = 0
+    while not stop.is_set():
+        tok.encode(texts[k % 3])
+        k += 1
+
+
+def mixed_processes(path: Path, folder: Path, *, size: int, n: int, base_chars: int, seed: int) -> dict:
+    """Repairs in this process (its own pool, nice 0) while another process encodes with nice 0, 10."""
+    import multiprocessing as mp
+
+    import toktier_backend as tt
+    from toktier_backend.parallel import CpuPool
+
+    pool = CpuPool(name="bench-session")
+    tok = tt.load_tokenizer(path)
+    tok.prefix_index = None
+    s = tok.session(add_special_tokens=False)
+    s.update(session_base(base_chars, folder))
+    deltas = turn_deltas(folder)
+    out = {}
+    ctx = mp.get_context("spawn")
+    for label, nice in (("other process idle", None), ("encoder nice 0", 0), ("encoder nice 10", 10)):
+        proc = None
+        if nice is not None:
+            ready, stop = ctx.Event(), ctx.Event()
+            proc = ctx.Process(target=_encoder_process, args=(str(path), str(folder), size, nice, ready, stop))
+            proc.start()
+            ready.wait(120)
+        lat = _repair_stream(s, deltas, n, pool, random.Random(seed), (1.0, 6.0))
+        if proc is not None:
+            stop.set()
+            proc.join(60)
+        out[label] = {"repairs": summary(lat), "repair_p99_ms": A.percentile(lat, 99)}
+        print(f"  {label:<22} repair p50 {A.percentile(lat, 50):7.2f} ms  p99 {A.percentile(lat, 99):7.2f} ms "
+              f"(n={len(lat)})", flush=True)
+    pool.shutdown(wait=False)
+    return out
+
+
+def run_mixed(args, shared: Path, folder: Path, results: dict) -> int:
+    path = A.tokenizer_path(args.mixed_tokenizer, shared)
+    print(f"\n=== mixed load: {args.mixed_tokenizer}, {args.mixed_repairs} repairs (1.0K-2.5K-char appends to a "
+          f"{args.mixed_base:,}-char session, 1-6 ms apart) while {args.mixed_size:,}-char encodes arrive back to back",
+          flush=True)
+    runs: list[dict] = []
+    bad = 0
+    for mode in args.mixed_modes.split(","):
+        r = mixed_once(path, folder, mode=mode, size=args.mixed_size, n=args.mixed_repairs,
+                       base_chars=args.mixed_base, seed=args.seed + len(runs))
+        runs.append(r)
+        bad += r["mismatches"]
+        rep, enc = r["repairs"], r["encodes"]
+        print(f"  {mode:<9} repair p50 {rep['p50_ms']:7.2f} ms  p90 {rep['p90_ms']:7.2f}  p99 {r['repair_p99_ms']:7.2f} "
+              f"(n={rep['n']})   encode p50 {enc['p50_ms'] or 0:7.2f} ms (n={enc['n']})   "
+              f"{'exact' if not r['mismatches'] else 'MISMATCH'}   load {r['loadavg']:.1f}", flush=True)
+    pooled = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        lat = [x for r in runs if r["mode"] == mode for x in r["repairs"]["samples_ms"]]
+        enc = [x for r in runs if r["mode"] == mode for x in r["encodes"]["samples_ms"]]
+        pooled[mode] = {"repairs": summary(lat), "repair_p99_ms": A.percentile(lat, 99), "encodes": summary(enc)}
+        print(f"  all {mode:<5} repair p50 {A.percentile(lat, 50):7.2f} ms  p99 {A.percentile(lat, 99):7.2f} (n={len(lat)})"
+              f"   encode p50 {A.percentile(enc, 50) or 0:7.2f} ms (n={len(enc)})", flush=True)
+    ratio = None
+    if "priority" in pooled and "fifo" in pooled:
+        ratio = pooled["priority"]["repair_p99_ms"] / pooled["fifo"]["repair_p99_ms"]
+        print(f"  repair p99, priority / FIFO: {ratio:.3f} (target <= 0.2)", flush=True)
+    results["mixed"] = {"tokenizer": args.mixed_tokenizer, "runs": runs, "pooled": pooled,
+                        "p99_priority_over_fifo": ratio}
+    if args.mixed_processes:
+        print("  -- encodes in another process (Triton: toktier_encode beside toktier_session)", flush=True)
+        results["mixed"]["processes"] = mixed_processes(path, folder, size=args.mixed_size, n=args.mixed_repairs,
+                                                        base_chars=args.mixed_base, seed=args.seed)
+    return bad
+
+
+# -- pathological inputs ------------------------------------------------------------------------------
+
+def run_pathological(args, shared: Path, results: dict) -> int:
+    import tokenizers
+
+    sizes = [int(x) for x in args.patho_sizes.split(",")]
+    bad = 0
+    for name in args.tokenizers.split(","):
+        path = A.tokenizer_path(name, shared)
+        ref = tokenizers.Tokenizer.from_file(str(path))
+        tok_s, tok_p = load_ours(path, parallel=False), load_ours(path, parallel=True)
+        print(f"\n=== pathological: {name}  (p50 ms of {args.patho_repeats} runs; ratio = time at {sizes[-1]:,} / "
+              f"time at {sizes[0]:,}; linear ~ {sizes[-1] / sizes[0]:.0f}, quadratic ~ {(sizes[-1] / sizes[0]) ** 2:.0f})",
+              flush=True)
+        print(f"  {'run':<8} {'system':<14} " + " ".join(f"{s:>11,}" for s in sizes) + "   ratio  exact")
+        entry = {}
+        for run, ch in RUNS.items():
+            rows = {"ours": [], "ours_par": [], "session": [], "hf": []}
+            exact = True
+            for n in sizes:
+                per = {k: [] for k in rows}
+                for rep in range(args.patho_repeats):
+                    text = ch * (n + rep)  # a different run each time: no engine word cache serves it
+                    got = {}
+                    for key, tok in (("ours", tok_s), ("ours_par", tok_p)):
+                        t, got[key] = timed(lambda: tok.encode(text, add_special_tokens=False))
+                        per[key].append(t)
+                        drain(tok)
+                    s = tok_p.session(add_special_tokens=False)
+                    s.update(text)
+                    drain(tok_p)
+                    t, ids = timed(lambda: s.append(ch))
+                    got["session"] = np.array(ids)
+                    per["session"].append(t)
+                    drain(tok_p)
+                    if s.last_repair.route != "full":
+                        print(f"  note: session route {s.last_repair.route} on {run}", flush=True)
+                    # HF last (its encode churns memory and slows whatever runs next), then the checks
+                    t_hf, want = timed(lambda: ref.encode(text + ch, add_special_tokens=False).ids)
+                    per["hf"].append(t_hf)
+                    if A.first_mismatch(got["session"], want) is not None:
+                        exact = False
+                    if rep == 0:
+                        want_run = ref.encode(text, add_special_tokens=False).ids
+                        exact &= all(A.first_mismatch(got[k], want_run) is None for k in ("ours", "ours_par"))
+                for key in rows:
+                    rows[key].append(A.percentile(per[key], 50))
+            bad += 0 if exact else 1
+            for key, vals in rows.items():
+                ratio = vals[-1] / vals[0] if vals[0] else float("nan")
+                label = {"ours": "ours serial", "ours_par": "ours parallel", "session": "session append",
+                         "hf": "HF (+1 char)"}[key]
+                print(f"  {run:<8} {label:<14} " + " ".join(f"{v:>11.1f}" for v in vals) +
+                      f"   {ratio:5.1f}  {'' if key == 'hf' else 'yes' if exact else 'NO'}", flush=True)
+            entry[run] = {"sizes": sizes, "p50_ms": rows, "exact": exact, "repeats": args.patho_repeats}
+        results["pathological"][name] = entry
+    return bad
+
+
+# -- tuning -------------------------------------------------------------------------------------------
+
+def run_tune(args, shared: Path, folder: Path, results: dict) -> None:
+    from toktier_backend.parallel import ChunkedEncoder
+
+    out = {}
+    for name in args.tokenizers.split(","):
+        path = A.tokenizer_path(name, shared)
+        tok = load_ours(path, parallel=False)
+        tok.prefix_index = None
+        print(f"\n=== tune: {name} (p50 ms over {args.samples} samples; chunked = ChunkedEncoder.encode_body)", flush=True)
+        out[name] = {}
+        for size in (65536, 131072, 262144, 524288, 1_000_000, 4_000_000):
+            texts = sample_texts(size, args.samples, folder)
+            row = {"whole": A.percentile([timed(lambda: tok.encode_body(t))[0] for t in texts], 50)}
+            for cc in (16384, 32768, 65536, 131072, 262144, 524288):
+                if cc >= size:
                     continue
-                checked[name] += 1
-                at = A.first_mismatch(ids, got["hf"])
-                if at is not None:
-                    bad[name] += 1
-                    print(f"  MISMATCH {name} vs hf: sample {k} ({len(text)} chars): first diff at id {at}",
-                          flush=True)
-    return {name: {"n": len(v), "p50_ms": A.percentile(v, 50), "p90_ms": A.percentile(v, 90),
-                   "samples_ms": v, "checked": checked[name], "mismatches": bad[name]}
-            for name, v in ms.items() if v}
+                enc = ChunkedEncoder(tok, chunk_chars=cc, min_chars=0)
+                enc.encode_body(texts[0])
+                row[f"chunk {cc // 1024}K"] = A.percentile([timed(lambda: enc.encode_body(t))[0] for t in texts], 50)
+            out[name][str(size)] = row
+            print(f"  {size:>9,}  " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    results["tune"] = out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizers", default="qwen3,llama3_1,deepseek_v3,gpt2")
     p.add_argument("--sizes", default="100000,1000000,4000000", help="document sizes, chars")
-    p.add_argument("--samples", type=int, default=8, help="texts per size (ours, gigatoken, fastokens)")
+    p.add_argument("--samples", type=int, default=8, help="texts per size")
     p.add_argument("--hf-samples", type=int, default=3, help="of those, how many HF encodes (and checks)")
+    p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune")
+    p.add_argument("--pathological", action="store_true", help="add the pathological section")
+    p.add_argument("--patho-sizes", default="250000,1000000")
+    p.add_argument("--patho-repeats", type=int, default=3, help="runs per size (n, n+1, ...): p50 reported")
+    p.add_argument("--mixed", action="store_true", help="add the mixed-load section")
+    p.add_argument("--mixed-tokenizer", default="qwen3")
+    p.add_argument("--mixed-size", type=int, default=4_000_000, help="chars of each fresh encode")
+    p.add_argument("--mixed-repairs", type=int, default=400)
+    p.add_argument("--mixed-base", type=int, default=100_000, help="chars of the repaired session")
+    p.add_argument("--mixed-modes", default="idle,fifo,priority,fifo,priority",
+                   help="runs in this order (each pool mode twice by default: the machine's load drifts)")
+    p.add_argument("--mixed-processes", action="store_true", help="also: encodes in another process, nice 0 / 10")
+    p.add_argument("--tune", action="store_true", help="add the tuning section")
+    p.add_argument("--seed", type=int, default=7)
     p.add_argument("--shared", default=None, help="shared folder (default <repo>/../shared)")
     p.add_argument("--out", default="bench/out")
     args = p.parse_args(argv)
+    sections = set(args.only.split(",")) | {s for s, on in (("pathological", args.pathological),
+                                                          ("mixed", args.mixed), ("tune", args.tune)) if on}
 
     shared = A.shared_dir(args.shared)
     folder = shared / "corpus" / "swe-agent"
@@ -91,43 +492,28 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "bench": "full_encode",
         "args": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_start": os.getloadavg()},
         "checkout": A.core_revision(),
-        "versions": {m: A._version(m) for m in ("toktier_backend", "tokenizers", "gigatoken", "fastokens")},
-        "tokenizers": {},
+        "versions": {m: A._version(m) for m in ("toktier_backend", "tokenizers", "gigatoken", "fastokens", "toktier")},
+        "fresh": {}, "pathological": {},
     }
+    print(f"load average at start: {os.getloadavg()} ({os.cpu_count()} cpus)", flush=True)
     t0 = time.perf_counter()
-    for name in args.tokenizers.split(","):
-        path = A.tokenizer_path(name, shared)
-        print(f"\n=== {name} ({path})", flush=True)
-        anchors = [A.ours(path), A.gigatoken(path), A.fastokens(path), A.hf(path)]
-        systems = {a.name: a.encode for a in anchors if a.encode is not None}
-        skipped = {a.name: a.reason for a in anchors if a.encode is None}
-        for k, why in skipped.items():
-            print(f"  {k}: skipped: {why}")
-        entry = {"path": str(path), "skipped": skipped, "sizes": {}}
-        for size in (int(x) for x in args.sizes.split(",")):
-            r = run_size(systems, sample_texts(size, args.samples, folder), args.hf_samples)
-            entry["sizes"][str(size)] = r
-            ours = r.get("ours", {}).get("p50_ms")
-            print(f"\n{name} @ {size:,} chars")
-            print(f"  {'system':<10} {'n':>3} {'p50 ms':>10} {'p90 ms':>10} {'x ours p50':>11}  exact")
-            for key in SYSTEMS:
-                if key not in r:
-                    continue
-                v = r[key]
-                exact = "reference" if key == "hf" else (
-                    "unchecked" if not v["checked"] else
-                    "yes" if not v["mismatches"] else f"INEXACT {v['mismatches']}/{v['checked']}")
-                ratio = f"{A.fmt_ratio(v['p50_ms'] / ours):>10}x" if ours and key != "ours" else f"{'':>11}"
-                print(f"  {key:<10} {v['n']:>3} {v['p50_ms']:>10.2f} {v['p90_ms']:>10.2f} {ratio}  {exact}",
-                      flush=True)
-        results["tokenizers"][name] = entry
+    bad = 0
+    if "fresh" in sections:
+        bad += run_fresh(args, shared, folder, results)
+    if "mixed" in sections:
+        bad += run_mixed(args, shared, folder, results)
+    if "pathological" in sections:
+        bad += run_pathological(args, shared, results)
+    if "tune" in sections:
+        run_tune(args, shared, folder, results)
     results["wall_s"] = time.perf_counter() - t0
-    (out_dir / "full_encode.json").write_text(json.dumps(results, indent=1))
-    print(f"\nwrote {out_dir / 'full_encode.json'} ({results['wall_s']:.0f} s)")
-    bad = sum(v.get("mismatches", 0) for e in results["tokenizers"].values()
-              for r in e["sizes"].values() for v in r.values())
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    name = "full_encode.json" if sections == {"fresh", "mixed"} else f"full_encode-{'-'.join(sorted(sections))}.json"
+    (out_dir / name).write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out_dir / name} ({results['wall_s']:.0f} s; load average at end {os.getloadavg()})")
     return 1 if bad else 0
 
 
