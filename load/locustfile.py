@@ -220,7 +220,7 @@ class ReplayUser(User):
     def arrive(self) -> None:
         p = self.pacer
         if self.next_t >= p.end or p.abandon:
-            if p.abandon:  # drain timed out: what was due and never sent is unfinished
+            if p.abandon and p.open_loop:  # drain timed out: what was due and never sent is unfinished
                 while self.next_t < p.end:
                     self.rt.recorder.due(self.next_t)
                     self.next_t = p.next_after(self.next_t, self.next_t)
