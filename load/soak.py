@@ -54,6 +54,17 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
+def role(pid: int) -> str:
+    """``tritonserver`` or the model instance a Python backend stub serves (e.g. ``toktier_session_0_1``)."""
+    try:
+        args = open(f"/proc/{pid}/cmdline").read().split("\0")
+    except OSError:
+        return "?"
+    if args and args[0].endswith("triton_python_backend_stub") and len(args) > 8:
+        return args[8]
+    return Path(args[0]).name if args and args[0] else "?"
+
+
 def tree_rss(root: int) -> dict[int, int]:
     """RSS in bytes of ``root`` and all its descendants (``/proc/<pid>/status`` VmRSS)."""
     kids, out, todo = _children(), {}, [root]
@@ -199,6 +210,7 @@ def main(argv=None) -> int:
         with lock:
             point = {
                 "t_s": round(time.monotonic() - start, 1), "rss_bytes": sum(rss.values()), "processes": len(rss),
+                "rss_by_process": {f"{role(pid)}[{pid}]": b for pid, b in sorted(rss.items())},
                 "requests": counts["requests"], "errors": counts["errors"],
                 "sessions_held": metric(m, "toktier_sessions"),
                 "session_memory_bytes": metric(m, "toktier_session_memory_bytes"),
