@@ -71,6 +71,14 @@ class Admission:
     def __post_init__(self):
         self._re = _char_class(self.guarded)
         self._sorted = np.asarray(sorted(self.guarded), dtype=np.uint32)
+        # UTF-8 prefilter: the (first byte, second byte) pairs that start a guarded multi-byte code point
+        self._pairs = np.zeros(1 << 16, dtype=bool)
+        for cp in self.guarded:
+            b = chr(cp).encode("utf-8", "surrogatepass")
+            if len(b) > 1:
+                self._pairs[b[0] << 8 | b[1]] = True
+        self._lead_min = min((chr(cp).encode("utf-8", "surrogatepass")[0] for cp in self.guarded if cp >= 0x80),
+                             default=0xFF)
 
     def has_guarded(self, text: str) -> bool:
         """Does ``text`` hold a guarded code point? O(len(text)); free for ASCII when none is guarded.
@@ -107,7 +115,11 @@ class Admission:
         u = np.frombuffer(data, dtype=np.uint8)
         if self._ascii_guarded and self.has_guarded_cps(u[u < 0x80].astype(np.uint32)):
             return True
-        lead = np.flatnonzero(u >= 0xC0)
+        lead = np.flatnonzero(u >= self._lead_min)
+        if not len(lead):
+            return False
+        # a lead byte is followed by its continuation bytes: lead + 1 is in range
+        lead = lead[self._pairs[(u[lead].astype(np.uint16) << 8) | u[lead + 1]]]
         if not len(lead):
             return False
         last = len(u) - 1
