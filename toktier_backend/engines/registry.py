@@ -14,6 +14,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "hf": ("toktier_backend.engines.hf", "HFEngine"),
     "gigatoken": ("toktier_backend.engines.gigatoken", "GigatokenEngine"),
     "fastokens": ("toktier_backend.engines.fastokens", "FastokensEngine"),
+    "gpu": ("toktier_backend.gpu.engine", "GpuEngine"),  # extra [gpu]: numba kernels, full encode on a CUDA device
 }
 
 #: Fast engines tried in order when none is named. gigatoken first: in ``bench/`` it is the fastest on
