@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .integrations.cli import add_proxy_parser
 
     add_proxy_parser(sub)
+    from .serving.fleet import add_fleet_parser  # stdlib only: replicas + nginx (`toktier fleet`)
+
+    add_fleet_parser(sub)
     return ap
 
 

@@ -69,3 +69,32 @@ def test_prepare_repository_substitutes(tmp_path):
     assert f'string_value: "{tok.resolve()}"' in text
     assert 'string_value: "1234"' in text and "max_sequence_idle_microseconds: 2500000" in text
     assert f'string_value: "{tok.resolve()}"' in (dst / "toktier_encode" / "config.pbtxt").read_text()
+
+
+def test_docker_compose_fleet():
+    """`docker compose --profile fleet up`: two more replicas of the triton service, nginx in front of the
+    three with deploy/nginx/nginx.conf (session-affine consistent hash), Prometheus scraping every replica."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = compose["services"]
+    triton = services["triton"]
+    replicas = ["triton", "triton-2", "triton-3"]
+    for name in replicas[1:]:
+        r = services[name]
+        assert r["profiles"] == ["fleet"] and not r["ports"]  # reached through nginx only
+        assert r["image"] == triton["image"] and r["command"] == triton["command"]
+        assert r["volumes"] == triton["volumes"] and r["healthcheck"] == triton["healthcheck"]
+    nginx = services["nginx"]
+    assert nginx["profiles"] == ["fleet"] and nginx["image"].startswith("nginx:")
+    assert "./deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro" in nginx["volumes"]
+    assert all(p.startswith("127.0.0.1:") for p in nginx["ports"])
+    assert {p.rsplit(":", 1)[1] for p in nginx["ports"]} == {"8000", "8001"}
+    assert all(nginx["depends_on"][r]["condition"] == "service_healthy" for r in replicas)
+    conf = (REPO / "deploy" / "nginx" / "nginx.conf").read_text()
+    assert conf.count("hash $http_x_toktier_session consistent;") == 2
+    assert "listen 0.0.0.0:8001 http2;" in conf and "listen 0.0.0.0:8000;" in conf
+    for r in replicas:
+        assert f"server {r}:8001 " in conf and f"server {r}:8000 " in conf
+    scrape = yaml.safe_load((REPO / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    metrics_port = re.search(r"--metrics-port=(\d+)", " ".join(triton["command"])).group(1)
+    assert {f"{r}:{metrics_port}" for r in replicas} <= targets

@@ -11,6 +11,12 @@ whole text it tracks, so the ids stay exact:
 - a request failed in transport (timeout, connection reset; the server may have applied it): the next
   request sends the whole text with ``REPLY=full``.
 
+Behind a proxy (``toktier fleet``, :mod:`toktier_backend.serving.fleet`) every request carries the session
+key in the ``x-toktier-session`` header, so the proxy keeps a session on one replica; a replica that lacks
+it answers as above and the whole text rebuilds it. Every START after the first uses a new sequence ID
+(:attr:`SessionClient.sequence_id`), so a replica still holding an older state of a session that moved
+away and back never serves it.
+
 ``tritonclient`` is imported on first use. A ``tritonclient.http`` client is not thread-safe: give each
 thread its own ``SessionClient`` (the default: each one opens its own connection).
 
@@ -35,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 
 from toktier_backend.errors import InvalidRequest, ToktierError, UnknownSession
+from toktier_backend.serving.fleet import SESSION_HEADER, routing_key
 
 _counter = itertools.count(1)
 
@@ -114,7 +121,20 @@ class SessionClient:
         self.is_open = False
         self.last: Reply | None = None
         self.reopens = 0  # transparent re-opens so far
+        self._epoch = 0  # STARTs after the first: each gets a new sequence ID (see sequence_id)
+        self._started = False
+        self._headers = {SESSION_HEADER: routing_key(self.session_id)}  # the proxy routes by it
         self._dirty = False  # a request failed in transport: resend the whole text next
+
+    @property
+    def sequence_id(self) -> int | str:
+        """The server-side correlation ID: ``session_id``, then ``f"{session_id}#{k}"`` after the k-th re-START.
+
+        A fleet proxy may move a session away from a replica and back (replica added and removed, a replica
+        skipped after a timeout) while that replica still holds an older state under the old ID; a new ID
+        per START makes it answer "START required" instead of building on stale text.
+        """
+        return self.session_id if self._epoch == 0 else f"{self.session_id}#{self._epoch}"
 
     # ------------------------------------------------------------ session API
 
@@ -178,9 +198,10 @@ class SessionClient:
             self.reopens += 1
             return self._send(full_text, mode="full", start=True, reopened=True)
         except UnknownSession:
-            # the model instance forgot the session but the sequence is live: the whole text rebuilds it
+            # the model instance forgot the session but the sequence is live: the whole text rebuilds it.
+            # PyTriton has no sequence batcher to pin the ID to one replica: a new one (START) there.
             self.reopens += 1
-            return self._send(full_text, mode="full", reopened=True)
+            return self._send(full_text, mode="full", start=self.face == "pytriton", reopened=True)
 
     def _send(
         self, text: str, *, mode: str, start: bool = False, end: bool = False, reopened: bool = False,
@@ -188,6 +209,9 @@ class SessionClient:
     ) -> np.ndarray:
         mod = self._mod
         reply = reply or self.reply
+        if start:
+            self._epoch += self._started  # never START an ID twice: some replica may hold its old state
+            self._started = True
         inputs = [
             _tensor(mod, "TEXT", np.array([[text.encode("utf-8")]], dtype=np.object_), "BYTES"),
             _tensor(mod, "MODE", np.array([[mode.encode()]], dtype=np.object_), "BYTES"),
@@ -195,13 +219,13 @@ class SessionClient:
             _tensor(mod, "ADD_SPECIAL_TOKENS", np.array([[self.add_special_tokens]], dtype=np.bool_), "BOOL"),
         ]
         outputs = [mod.InferRequestedOutput(n) for n in ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")]
-        kwargs: dict[str, Any] = {"outputs": outputs}
+        kwargs: dict[str, Any] = {"outputs": outputs, "headers": self._headers}
         if self.timeout_s is not None and self.protocol == "grpc":
             kwargs["client_timeout"] = self.timeout_s
         if self.face == "native":
-            kwargs.update(sequence_id=self.session_id, sequence_start=start, sequence_end=end)
+            kwargs.update(sequence_id=self.sequence_id, sequence_start=start, sequence_end=end)
         else:
-            kwargs["parameters"] = {"session_id": self.session_id, "session_start": start, "session_end": end}
+            kwargs["parameters"] = {"session_id": self.sequence_id, "session_start": start, "session_end": end}
         try:
             result = self._client.infer(self.model, inputs, **kwargs)
         except Exception as e:  # InferenceServerException: map ours to typed errors, re-raise the rest
@@ -221,7 +245,7 @@ class SessionClient:
             ids = patch.copy()
         if self.face == "pytriton" and len(ids) == n + 1 and ids[-1] == -1:
             ids = ids[:n]  # PyTriton 0.7 sends "no ids" as [-1]
-        if self.verify and (len(ids) != n or keep > len(self.ids)):
+        if self.verify and (len(ids) != n or (reply == "patch" and keep > len(self.ids))):
             self._dirty = True
             raise ToktierError(
                 f"session {self.session_id!r}: reply does not add up (KEEP={keep}, held {len(self.ids)} ids, "
