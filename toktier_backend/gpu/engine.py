@@ -196,21 +196,6 @@ class GpuEngine:
             i = j
         return out  # type: ignore[return-value]
 
-    def pretoken_starts(self, texts: list[str]) -> list[np.ndarray]:
-        """The device predicate's output for each text: ``bool[n_code_points]``, True where a pre-token
-        (or an added token) starts. For tests: must equal ``predicates.starts`` with added-token
-        segments. Runs the whole pipeline once on ``texts`` (all must be accepted and non-empty)."""
-        datas = [t.encode("utf-8") for t in texts]
-        self._run(datas)
-        sc = self._last
-        ncp = int(sc.h_counts[K.C_NCP])
-        flags = sc.start[0, :ncp].copy_to_host().astype(bool)
-        out, q = [], 0
-        for t in texts:
-            out.append(flags[q : q + len(t)])
-            q += len(t)
-        return out
-
     # ---------------------------------------------------------------------------------- internals
     def _size_class(self, nbytes: int, nspans: int) -> _SizeClass:
         cap = MIN_CLASS

@@ -332,6 +332,7 @@ class GpuTables:
                 added=AddedSplitter.from_config(config.get("added_tokens") or []), reason=reason)
         t.item_ids = item_ids
         t._norm = None
+        t._last_full = None
         t.nfc_full_checks = 0
         if nfc:
             nfc_unsafe_table()  # built once per process (~0.5 s), not on the first request
@@ -349,8 +350,13 @@ class GpuTables:
         cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         if not nfc_unsafe_table()[cps].any():
             return True
+        last = self._last_full
+        if last is not None and last[0] is text:  # the router asks, then the engine asks again
+            return last[1]
         self.nfc_full_checks += 1
-        return self._normalizer().normalize_str(text) == text
+        ok = self._normalizer().normalize_str(text) == text
+        self._last_full = (text, ok)
+        return ok
 
     def _normalizer(self):
         if self._norm is None:
