@@ -221,6 +221,8 @@ class Tokenizer:
         for r in routes:
             del self.quarantined[r]
             log.warning("route %r released from quarantine for %s", r, self.spec.path)
+        if routes and self.prefix_index is not None:  # inserts queued before the quarantine may have landed
+            self.prefix_index.clear()
         return routes
 
     def _fallback_reason(self, text: str, route: str) -> str:
