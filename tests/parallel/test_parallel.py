@@ -165,11 +165,11 @@ def test_public_api_and_session_full_route(name, pool, corpus_text, monkeypatch)
     assert tok.chunked.stats["encodes"] > before or not tok.chunked.available
 
 
-@pytest.mark.parametrize("name", NAMES)
+# gemma3 is left out: gigatoken agrees with HF on every code point there (its guard set is empty).
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "gemma3"])
 def test_guarded_chunk_goes_to_reference_alone(name, pool, corpus_text):
     tok = load(name)
-    if not tok.admission.guarded:
-        pytest.skip(f"{name}: no guarded code point for {tok.engine.name}")
+    assert tok.admission.guarded, f"{name}: expected a non-empty guard set for {tok.engine.name}"
     cp = chr(tok.admission.guarded[len(tok.admission.guarded) // 2])
     text = corpus_text[:20_000]
     text = text[:10_000] + f" x{cp}y " + text[10_000:]
