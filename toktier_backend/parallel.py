@@ -14,10 +14,15 @@ point (``admission.py``) goes to the reference, the others stay on the admitted 
 
 **Why threads.** gigatoken 0.10.0 ``Tokenizer.encode`` holds the GIL for the whole call and runs on the
 calling thread: it does *not* parallelize one document (no worker thread appears, CPU time equals wall
-time), and a Python thread waits a full 4M-char encode. Its ``encode_batch_padded(..., parallel=False)``
-runs the same encoder with the GIL released (``GigatokenEngine.encode_nogil``), so chunk tasks on threads
-use every core. Engines without a GIL-free encode (HF ``tokenizers`` holds the GIL in ``encode``) are not
-chunked: threads would only serialize, so they keep the whole-text encode.
+time), and any other Python thread waits a full 4M-char encode. ``GigatokenEngine.encode`` therefore calls
+``encode_batch_padded([text], parallel=False)``: the same encoder, GIL released, and a shared borrow of the
+Rust object (``Tokenizer.encode`` takes a mutable one: a second thread got ``Already borrowed``). gigatoken
+also serializes concurrent calls on one Rust object (two threads encoding 2M chars each on one object take
+as long as one thread doing both; on two objects, half), so the engine keeps one object per concurrent
+caller (:meth:`ChunkedEncoder.prepare`). Each chunk is encoded to UTF-8 once under the GIL (that also
+rejects lone surrogates and feeds the guard check); the rest of a chunk runs GIL-free. Engines without a
+GIL-free encode (HF ``tokenizers`` holds the GIL in ``encode``) are not chunked: threads would only take
+turns.
 
 **Which is faster, per size** (``bench/full_encode.py``, same run, 2 cores): gigatoken's whole-text
 encode below :data:`MIN_CHARS` (a pool round trip costs more than it saves on a short text), chunked above
@@ -346,6 +351,7 @@ class ChunkedEncoder:
         self.min_chars = int(min_chars)
         self.search_chars = int(search_chars)
         self._encode = getattr(tok.engine, "encode_nogil", None)
+        self._prepared = False
         self.stats = {"encodes": 0, "chunks": 0, "reference_chunks": 0, "engine_errors": 0}
         self._stats_lock = threading.Lock()
 
@@ -356,6 +362,15 @@ class ChunkedEncoder:
     @pool.setter
     def pool(self, pool: CpuPool | None) -> None:
         self._pool = pool
+
+    def prepare(self) -> None:
+        """Load what parallel chunks need, once: an engine object per pool worker, plus one for the calling
+        thread (``GigatokenEngine.reserve``: gigatoken serializes concurrent calls on one object). Serving
+        calls it at model load; otherwise the first chunked encode does (0.1-0.8 s per object)."""
+        reserve = getattr(self.tok.engine, "reserve", None)
+        if reserve is not None and self.available:
+            reserve(self.pool.workers + 1)
+        self._prepared = True
 
     @property
     def available(self) -> bool:
@@ -398,6 +413,8 @@ class ChunkedEncoder:
         """
         b = self.bounds(text)
         spans = list(zip(b[:-1], b[1:]))
+        if not self._prepared and len(spans) > 1:
+            self.prepare()
         if len(spans) == 1:  # no cut found: one chunk, on this thread
             parts = [self._encode_chunk(text, spans[0])]
         else:

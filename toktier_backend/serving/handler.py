@@ -102,8 +102,10 @@ class Handler:
         self._lock = threading.Lock()
         self._dropped_seen = 0
         self.pool = pool if pool is not None else parallel.shared_pool()
-        if pool is not None and hasattr(tokenizer, "chunked"):
-            tokenizer.chunked.pool = pool
+        if hasattr(tokenizer, "chunked"):
+            if pool is not None:
+                tokenizer.chunked.pool = pool
+            tokenizer.chunked.prepare()  # engine objects for the pool's workers: at load, not on a request
         if verifier is not None and metrics is not None and verifier.on_result is None:
             verifier.on_result = self._on_sample
 
