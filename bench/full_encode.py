@@ -2,7 +2,8 @@
 
 **Fresh encodes** (default). Per tokenizer and size (chars), ``--samples`` different texts (windows of the
 SWE-agent corpus rendered as ChatML, each starting ``STRIDE`` chars after the last, so no system can serve
-one from a cache) are encoded by each system in turn (one system over all samples, then the next; HF last):
+one from a cache) are encoded by every system, per sample, in an order rotated per sample (the machine's load
+drifts; each system sees the same drift); HF runs last, after all samples:
 
 - ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with chunking off (``chunked.min_chars``
   infinite): validation, guard check, one whole-text gigatoken encode;
@@ -113,22 +114,31 @@ def toktier_chunked(name: str, path: Path) -> A.Anchor:
 # -- fresh encodes ------------------------------------------------------------------------------------
 
 def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> dict:
-    """Each system over all samples (HF last, on the first ``hf_samples``); then every check."""
+    """Per sample, every system but HF, in an order rotated per sample (the machine's load drifts: each
+    system sees the same drift); then HF on the first ``hf_samples`` (its encode churns hundreds of MB and
+    slows whatever runs next); then every check."""
     ms = {k: [] for k in systems}
     got: dict[str, list] = {k: [] for k in systems}
     chunks: list[int] = []
-    for name, encode in systems.items():
-        n = hf_samples if name == "hf" else len(texts)
-        for text in texts[:n]:
-            tok = toks.get(name)
-            before = tok.chunked.stats["chunks"] if tok is not None else 0
-            t, ids = timed(lambda: encode(text))
-            ms[name].append(t)
-            got[name].append(np.array(ids, dtype=np.int64))
-            if name == "ours_par":
-                chunks.append(tok.chunked.stats["chunks"] - before)
-            if tok is not None:
-                drain(tok)
+    fast = [k for k in systems if k != "hf"]
+
+    def run(name: str, text: str) -> None:
+        tok = toks.get(name)
+        before = tok.chunked.stats["chunks"] if tok is not None else 0
+        t, ids = timed(lambda: systems[name](text))
+        ms[name].append(t)
+        got[name].append(np.array(ids, dtype=np.int64))
+        if name == "ours_par":
+            chunks.append(tok.chunked.stats["chunks"] - before)
+        if tok is not None:
+            drain(tok)
+
+    for k, text in enumerate(texts):
+        for j in range(len(fast)):
+            run(fast[(j + k) % len(fast)], text)
+    if "hf" in systems:
+        for text in texts[:hf_samples]:
+            run("hf", text)
     checked = {k: 0 for k in systems}
     bad = {k: 0 for k in systems}
     for name in systems:
