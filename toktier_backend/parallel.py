@@ -24,15 +24,15 @@ rejects lone surrogates and feeds the guard check); the rest of a chunk runs GIL
 GIL-free encode (HF ``tokenizers`` holds the GIL in ``encode``) are not chunked: threads would only take
 turns.
 
-**Which is faster, per size** (``bench/full_encode.py``, same run, 2 cores): gigatoken's whole-text
-encode below :data:`MIN_CHARS` (a pool round trip costs more than it saves on a short text), chunked above
-it. gigatoken's own whole-text encode is serial (see above), so above :data:`MIN_CHARS` there is nothing of
-gigatoken's to delegate to; the measured table is in ``bench/README.md``.
+**Which is faster, per size** (``bench/full_encode.py``, same run, 2 cores): the whole-text encode below
+:data:`MIN_CHARS` (1M chars: per-chunk overhead and GIL hand-offs eat the second core's gain), chunked
+above it (4M chars: ~1.4x the whole-text encode). gigatoken's own whole-text encode is serial (see above),
+so there is nothing of gigatoken's to delegate to; the measured tables are in ``bench/README.md``.
 
 **The shared pool** (the Delta Tokenizer design): :class:`CpuPool` runs chunk tasks and session repairs on
 one set of worker threads (one per core) with two priorities. A repair is short and goes to the head of the
 queue, so it starts as soon as one worker finishes its current chunk, instead of waiting behind every chunk
-of a long request: it waits at most one chunk's time (``chunk_chars`` chars, ~0.3-0.5 ms at the default).
+of a long request: it waits at most one chunk's time (``chunk_chars`` chars, ~0.5 ms at the default).
 :meth:`CpuPool.stats` gives queue depth, tasks in flight and wait times for metrics.
 
 Across processes (each Triton Python-backend model instance is a process with its own pool), the pools
@@ -67,12 +67,15 @@ REPAIR = 0
 CHUNK = 1
 _PRIORITY_NAMES = {REPAIR: "repair", CHUNK: "chunk"}
 
-#: Target chunk size (chars). Tuned with ``bench/full_encode.py --tune`` on 2 cores: at 4M chars,
-#: 32K-512K chunks are within noise of each other; smaller chunks bound a repair's wait (one chunk,
-#: ~0.3-0.5 ms at 128K) at a cost of ~10 us per chunk.
+#: Target chunk size (chars). ``bench/full_encode.py --only tune`` (2 cores, quiet machine, p50 of 7, 4M
+#: chars): qwen3 whole 20.4 ms, chunks of 16K/32K/64K/128K/256K/512K 30.1/21.9/17.9/14.0/16.1/13.1 ms;
+#: gpt2 whole 17.7, chunks 27.1/21.0/15.0/12.2/11.8/12.0 ms. 128K is on the plateau and keeps a
+#: repair's wait for a running chunk short (one chunk: ~0.5 ms of gigatoken).
 CHUNK_CHARS = 128 * 1024
-#: Texts shorter than this (chars) are encoded whole, on the calling thread (measured crossover, 2 cores).
-MIN_CHARS = 256 * 1024
+#: Texts shorter than this (chars) are encoded whole, on the calling thread. Same run, 1M chars: qwen3 whole
+#: 5.4 ms vs best chunked 5.8 ms, gpt2 4.6 vs 4.2; at 512K whole wins (3.0 vs 3.4, 2.5 vs 2.8): per-chunk
+#: overhead and GIL hand-offs eat the second core's gain below ~1M chars.
+MIN_CHARS = 1024 * 1024
 #: How far before each multiple of ``chunk_chars`` to look for a stable cut (chars). Agent text has one
 #: every few chars; a window with none (a 1M-char run of one letter, of spaces, of digits) merges two
 #: chunks, and the search stays O(chunks * SEARCH_CHARS) instead of O(len(text)) on text with no cut.
