@@ -87,9 +87,12 @@ def load_ours(path: Path, *, parallel: bool):
 
 
 def drain(tok) -> None:
+    """Let the prefix index's background insert finish (untimed): right after ``drain()`` returns, the next
+    4M-char encode still ran ~5 ms slower (llama3_1: 21-23 vs 16-17 ms); after 0.2 s more, as without an index."""
     idx = getattr(tok, "prefix_index", None)
     if idx is not None and hasattr(idx, "drain"):
         idx.drain()
+        time.sleep(0.2)
 
 
 def toktier_chunked(name: str, path: Path) -> A.Anchor:
@@ -200,13 +203,16 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
         path = A.tokenizer_path(name, shared)
         print(f"\n=== {name} ({path})", flush=True)
         tok_s, tok_p = load_ours(path, parallel=False), load_ours(path, parallel=True)
-        anchors = [A.Anchor("ours", lambda t, tok=tok_s: tok.encode(t, add_special_tokens=False)),
-                   A.Anchor("ours_par", lambda t, tok=tok_p: tok.encode(t, add_special_tokens=False)),
-                   A.gigatoken(path), A.fastokens(path), toktier_chunked(name, path), A.hf(path)]
+        make = {"ours": lambda: A.Anchor("ours", lambda t, tok=tok_s: tok.encode(t, add_special_tokens=False)),
+                "ours_par": lambda: A.Anchor("ours_par", lambda t, tok=tok_p: tok.encode(t, add_special_tokens=False)),
+                "gigatoken": lambda: A.gigatoken(path), "fastokens": lambda: A.fastokens(path),
+                "toktier_chunked": lambda: toktier_chunked(name, path), "hf": lambda: A.hf(path)}
+        anchors = [make[k]() for k in SYSTEMS if k in args.systems.split(",")]
         systems = {a.name: a.encode for a in anchors if a.encode is not None}
         skipped = {a.name: a.reason for a in anchors if a.encode is None}
         for k, why in skipped.items():
             print(f"  {k}: skipped: {why}")
+        tok_p.chunked.prepare()  # engine objects for the pool's workers, as serving does at model load
         for t in ("warm up " * 40_000, ):  # pool threads, caches
             tok_p.encode(t), tok_s.encode(t)
         entry = {"path": str(path), "skipped": skipped, "sizes": {},
@@ -355,14 +361,19 @@ def run_mixed(args, shared: Path, folder: Path, results: dict) -> int:
           flush=True)
     runs: list[dict] = []
     bad = 0
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    print(f"  GIL switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
     for mode in args.mixed_modes.split(","):
         r = mixed_once(path, folder, mode=mode, size=args.mixed_size, n=args.mixed_repairs,
                        base_chars=args.mixed_base, seed=args.seed + len(runs))
         runs.append(r)
         bad += r["mismatches"]
         rep, enc = r["repairs"], r["encodes"]
+        pr = r["pool"]["by_priority"]["repair"]
         print(f"  {mode:<9} repair p50 {rep['p50_ms']:7.2f} ms  p90 {rep['p90_ms']:7.2f}  p99 {r['repair_p99_ms']:7.2f} "
-              f"(n={rep['n']})   encode p50 {enc['p50_ms'] or 0:7.2f} ms (n={enc['n']})   "
+              f"(n={rep['n']}; in the pool: wait p99 {pr['wait_ms_p99']:.2f}, run p99 {pr['run_ms_p99']:.2f})   "
+              f"encode p50 {enc['p50_ms'] or 0:7.2f} ms (n={enc['n']})   "
               f"{'exact' if not r['mismatches'] else 'MISMATCH'}   load {r['loadavg']:.1f}", flush=True)
     pooled = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
@@ -475,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="100000,1000000,4000000", help="document sizes, chars")
     p.add_argument("--samples", type=int, default=8, help="texts per size")
     p.add_argument("--hf-samples", type=int, default=3, help="of those, how many HF encodes (and checks)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="fresh-encode columns to run")
     p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune")
     p.add_argument("--pathological", action="store_true", help="add the pathological section")
     p.add_argument("--patho-sizes", default="250000,1000000")
@@ -486,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-base", type=int, default=100_000, help="chars of the repaired session")
     p.add_argument("--mixed-modes", default="idle,fifo,priority,fifo,priority",
                    help="runs in this order (each pool mode twice by default: the machine's load drifts)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the mixed run, seconds (default: Python's 0.005)")
     p.add_argument("--mixed-processes", action="store_true", help="also: encodes in another process, nice 0 / 10")
     p.add_argument("--tune", action="store_true", help="add the tuning section")
     p.add_argument("--seed", type=int, default=7)

@@ -145,6 +145,7 @@ class CpuPool:
         self._wait_sum_ms = {REPAIR: 0.0, CHUNK: 0.0}
         self._wait_max_ms = {REPAIR: 0.0, CHUNK: 0.0}
         self._waits = {REPAIR: deque(maxlen=window), CHUNK: deque(maxlen=window)}
+        self._runs = {REPAIR: deque(maxlen=window), CHUNK: deque(maxlen=window)}
 
     # -------------------------------------------------------------- submitting
     def submit(self, fn: Callable[..., Any], /, *args: Any, priority: int = CHUNK) -> Future:
@@ -236,7 +237,8 @@ class CpuPool:
             self._run(task)
 
     def _run(self, task: _Task, helped: bool = False) -> None:
-        wait_ms = (time.perf_counter_ns() - task.enqueued_ns) / 1e6
+        start = time.perf_counter_ns()
+        wait_ms = (start - task.enqueued_ns) / 1e6
         if not task.future.set_running_or_notify_cancel():
             result, exc = None, None
         else:
@@ -244,6 +246,7 @@ class CpuPool:
                 result, exc = task.fn(*task.args), None
             except BaseException as e:  # handed to the caller
                 result, exc = None, e
+        run_ms = (time.perf_counter_ns() - start) / 1e6
         with self._cv:
             self.in_flight -= 1
             p = task.priority
@@ -251,6 +254,7 @@ class CpuPool:
             self._wait_sum_ms[p] += wait_ms
             self._wait_max_ms[p] = max(self._wait_max_ms[p], wait_ms)
             self._waits[p].append(wait_ms)
+            self._runs[p].append(run_ms)
         if task.future.cancelled():
             return
         if exc is not None:
@@ -270,14 +274,16 @@ class CpuPool:
         Returns:
             ``{"workers", "fifo", "nice", "queue_depth", "in_flight", "by_priority": {"repair"|"chunk":
             {"queued", "submitted", "completed", "wait_ms_mean", "wait_ms_max", "wait_ms_p50",
-            "wait_ms_p99"}}}``. Wait = submission to start, in milliseconds; percentiles over the last
-            ``window`` tasks of that priority (``None`` before the first).
+            "wait_ms_p99", "run_ms_p50", "run_ms_p99"}}}``. Wait = submission to start, run = start to end,
+            in milliseconds; percentiles over the last ``window`` tasks of that priority (``None`` before
+            the first).
         """
         with self._cv:
             out = {"workers": self.workers, "fifo": self.fifo, "nice": self.nice,
                    "queue_depth": self.queue_depth, "in_flight": self.in_flight, "by_priority": {}}
             for p, name in _PRIORITY_NAMES.items():
                 waits = np.asarray(self._waits[p], dtype=float)
+                runs = np.asarray(self._runs[p], dtype=float)
                 done = self.completed[p]
                 out["by_priority"][name] = {
                     "queued": self._queued[p], "submitted": self.submitted[p], "completed": done,
@@ -285,6 +291,8 @@ class CpuPool:
                     "wait_ms_max": self._wait_max_ms[p] if done else None,
                     "wait_ms_p50": float(np.percentile(waits, 50)) if len(waits) else None,
                     "wait_ms_p99": float(np.percentile(waits, 99)) if len(waits) else None,
+                    "run_ms_p50": float(np.percentile(runs, 50)) if len(runs) else None,
+                    "run_ms_p99": float(np.percentile(runs, 99)) if len(runs) else None,
                 }
         return out
 
