@@ -69,11 +69,15 @@ RUNS = {"a": "a", "dash": "-", "space": " ", "newline": "\n", "digit": "7"}
 
 
 def sample_texts(size: int, n: int, folder: Path) -> list[str]:
-    """``n`` texts of ``size`` chars, each a window of the corpus starting ``STRIDE`` chars after the last."""
+    """``n`` texts of ``size`` chars, each a window of the corpus starting ``STRIDE`` chars after the last.
+
+    The first window starts at an offset that depends on ``size``: otherwise the 1M-char sample ``k`` would
+    be a prefix of the 4M-char sample ``k``, and a prefix index (ours has one) would serve it."""
     from toktier_backend import corpus
 
-    big = corpus.long_session_text(size + n * STRIDE, folder)
-    return [big[k * STRIDE: k * STRIDE + size] for k in range(n)]
+    base = (size * 7) % 99991 + 1
+    big = corpus.long_session_text(base + size + n * STRIDE, folder)
+    return [big[base + k * STRIDE: base + k * STRIDE + size] for k in range(n)]
 
 
 def load_ours(path: Path, *, parallel: bool):
@@ -163,6 +167,7 @@ def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> di
     out = {name: dict(summary(v), checked=checked[name], mismatches=bad[name]) for name, v in ms.items() if v}
     if chunks:
         out["ours_par"]["chunks_p50"] = A.percentile(chunks, 50)
+        out["ours_par"]["chunks"] = chunks
     return out
 
 
