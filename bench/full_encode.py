@@ -255,14 +255,18 @@ def _repair_stream(s, deltas: list[str], n: int, pool, rng: random.Random, gap_m
     return lat
 
 
-def mixed_once(path: Path, folder: Path, *, mode: str, size: int, n: int, base_chars: int, seed: int) -> dict:
+def mixed_once(path: Path, folder: Path, *, mode: str, size: int, n: int, base_chars: int, seed: int,
+               nice: int = 5) -> dict:
     """One mixed-load run. ``mode``: ``idle`` (no encodes), ``fifo`` or ``priority`` (encodes on the pool)."""
     import tokenizers
 
     import toktier_backend as tt
     from toktier_backend.parallel import CpuPool
 
-    pool = CpuPool(fifo=(mode == "fifo"), name=f"bench-{mode}")
+    # fifo: the plain FIFO pool (one worker per core); priority: the shared pool as a toktier_session
+    # process configures it (repairs first, one express thread, general workers at nice +5)
+    pool = (CpuPool(fifo=True, name="bench-fifo") if mode == "fifo" else
+            CpuPool(express=1, nice=nice, name=f"bench-{mode}"))
     tok = tt.load_tokenizer(path)
     tok.chunked.pool = pool
     tok.prefix_index = None  # scheduling only: no prefix reuse, no background indexer
@@ -371,7 +375,7 @@ def run_mixed(args, shared: Path, folder: Path, results: dict) -> int:
     print(f"  GIL switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
     for mode in args.mixed_modes.split(","):
         r = mixed_once(path, folder, mode=mode, size=args.mixed_size, n=args.mixed_repairs,
-                       base_chars=args.mixed_base, seed=args.seed + len(runs))
+                       base_chars=args.mixed_base, seed=args.seed + len(runs), nice=args.mixed_nice)
         runs.append(r)
         bad += r["mismatches"]
         rep, enc = r["repairs"], r["encodes"]
@@ -503,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-base", type=int, default=100_000, help="chars of the repaired session")
     p.add_argument("--mixed-modes", default="idle,fifo,priority,fifo,priority",
                    help="runs in this order (each pool mode twice by default: the machine's load drifts)")
+    p.add_argument("--mixed-nice", type=int, default=5, help="nice of the shared pool's general workers (priority)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for the mixed run, seconds (default: Python's 0.005)")
     p.add_argument("--mixed-processes", action="store_true", help="also: encodes in another process, nice 0 / 10")

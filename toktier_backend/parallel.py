@@ -29,11 +29,13 @@ turns.
 above it (4M chars: ~1.4x the whole-text encode). gigatoken's own whole-text encode is serial (see above),
 so there is nothing of gigatoken's to delegate to; the measured tables are in ``bench/README.md``.
 
-**The shared pool** (the Delta Tokenizer design): :class:`CpuPool` runs chunk tasks and session repairs on
-one set of worker threads (one per core) with two priorities. A repair is short and goes to the head of the
-queue, so it starts as soon as one worker finishes its current chunk, instead of waiting behind every chunk
-of a long request: it waits at most one chunk's time (``chunk_chars`` chars, ~0.5 ms at the default).
-:meth:`CpuPool.stats` gives queue depth, tasks in flight and wait times for metrics.
+**The shared pool** (the Delta Tokenizer design): :class:`CpuPool` runs chunk tasks and session repairs
+from one queue with two priorities, on one worker thread per core plus an *express* thread that takes only
+repairs. A repair is short and goes to the head of the queue: it never waits behind the chunks of a long
+request (a plain FIFO pool makes it wait for all of them), and with the express thread it does not even
+wait for the running chunk to end (without it, at most one chunk: ``chunk_chars`` chars, ~0.5 ms). Serving
+also lowers the general workers' OS priority (``nice``), so a running repair keeps a core while chunks
+wait. :meth:`CpuPool.stats` gives queue depth, tasks in flight, wait and run times for metrics.
 
 Across processes (each Triton Python-backend model instance is a process with its own pool), the pools
 cannot see each other: ``toktier_encode`` runs its chunk workers at a lower OS priority (``nice``, see
@@ -107,30 +109,42 @@ class CpuPool:
     """Worker threads for chunk encodes and session repairs, with repairs first.
 
     Args:
-        workers: threads (default :func:`default_workers`, one per core).
-        fifo: ignore priorities, run tasks in submission order (the baseline the benchmark compares with).
-        nice: raise the worker threads' nice value by this much (Linux, per thread; 0 = unchanged). A pool
-            whose work should yield the cores to other processes (``toktier_encode`` beside
-            ``toktier_session``) sets e.g. 10.
+        workers: general worker threads (default :func:`default_workers`, one per core): they run every
+            task, repairs first.
+        express: extra threads that run only repairs (default 0; the shared pool has 1). A repair then
+            starts at once instead of after the running chunk, and, with ``nice``, takes a core from the
+            chunk workers.
+        fifo: ignore priorities, run tasks in submission order, no express threads: the plain FIFO pool the
+            benchmark compares with.
+        nice: raise the general workers' nice value by this much (Linux, per thread; 0 = unchanged; express
+            threads keep the process's). ``toktier_encode`` sets 10 so its chunks yield the cores to
+            ``toktier_session`` processes; the shared pool of a session process, 5, so its own chunks yield
+            to its express (repair) thread. Linux weighs a nice-0 thread ~3x a nice-5 one, ~9x a nice-10 one.
         name: thread name prefix.
-        window: how many recent waits per priority :meth:`stats` computes percentiles over.
+        window: how many recent tasks per priority :meth:`stats` computes percentiles over.
 
     Tasks run in priority order (:data:`REPAIR` before :data:`CHUNK`), FIFO within a priority. A task is
-    never interrupted: a repair submitted while every worker runs a chunk starts when the first of them
-    ends. Workers start on first use and are daemon threads.
+    never interrupted: without express threads, a repair submitted while every worker runs a chunk starts
+    when the first of them ends. Workers start on first use and are daemon threads.
 
     Invariant: ``queue_depth + in_flight`` equals the tasks submitted and not yet finished.
     """
 
-    def __init__(self, workers: int | None = None, *, fifo: bool = False, nice: int = 0,
+    def __init__(self, workers: int | None = None, *, express: int = 0, fifo: bool = False, nice: int = 0,
                  name: str = "toktier-cpu", window: int = 4096):
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers!r}")
+        if express < 0:
+            raise ValueError(f"express must be >= 0, got {express!r}")
         self.workers = int(workers or default_workers())
         self.fifo = bool(fifo)
+        self.express = 0 if self.fifo else int(express)
         self.nice = int(nice)
         self.name = name
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # general workers wait here
+        self._cv_express = threading.Condition(self._lock)  # express threads wait here
+        self._idle_express = 0
         self._heap: list[tuple[int, int, _Task]] = []
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
@@ -167,9 +181,13 @@ class CpuPool:
             heapq.heappush(self._heap, (key, next(self._seq), task))
             self._queued[task.priority] += 1
             self.submitted[task.priority] += 1
-            if len(self._threads) < self.workers:
-                self._start_worker()
-            self._cv.notify()
+            if not self._threads:
+                for i in range(self.workers + self.express):
+                    self._start_worker(express=i >= self.workers)
+            if task.priority == REPAIR and self._idle_express:
+                self._cv_express.notify()
+            else:
+                self._cv.notify()
         return task
 
     def call(self, fn: Callable[..., Any], /, *args: Any, priority: int = REPAIR) -> Any:
@@ -199,8 +217,10 @@ class CpuPool:
         return getattr(self._local, "worker", False)
 
     # -------------------------------------------------------------- running
-    def _start_worker(self) -> None:
-        t = threading.Thread(target=self._worker, name=f"{self.name}-{len(self._threads)}", daemon=True)
+    def _start_worker(self, express: bool = False) -> None:
+        kind = "express" if express else "worker"
+        t = threading.Thread(target=self._worker, args=(express,), name=f"{self.name}-{kind}-{len(self._threads)}",
+                             daemon=True)
         self._threads.append(t)
         t.start()
 
@@ -213,27 +233,32 @@ class CpuPool:
             self.in_flight += 1
             return True
 
-    def _worker(self) -> None:
+    def _worker(self, express: bool = False) -> None:
         self._local.worker = True
-        if self.nice > 0:
+        if self.nice > 0 and not express:
             try:  # Linux: PRIO_PROCESS with a thread id sets that thread's nice value
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self.nice)
             except (AttributeError, OSError) as e:  # pragma: no cover - non-Linux
                 log.warning("pool %s: cannot lower worker priority: %s", self.name, e)
         while True:
-            with self._cv:
+            with self._lock:
                 while True:
-                    while not self._heap and not self._closed:
-                        self._cv.wait()
-                    if not self._heap:
+                    while self._heap and self._heap[0][2].claimed:  # run by a helping caller already
+                        heapq.heappop(self._heap)
+                    if self._heap and (not express or self._heap[0][2].priority == REPAIR):
+                        _, _, task = heapq.heappop(self._heap)
+                        task.claimed = True
+                        self._queued[task.priority] -= 1
+                        self.in_flight += 1
+                        break
+                    if self._closed and not self._heap:
                         return  # closed and drained
-                    _, _, task = heapq.heappop(self._heap)
-                    if task.claimed:  # run by a helping caller already
-                        continue
-                    task.claimed = True
-                    self._queued[task.priority] -= 1
-                    self.in_flight += 1
-                    break
+                    if express:  # only repairs; a repair is always at the top of the heap when queued
+                        self._idle_express += 1
+                        self._cv_express.wait()
+                        self._idle_express -= 1
+                    else:
+                        self._cv.wait()
             self._run(task)
 
     def _run(self, task: _Task, helped: bool = False) -> None:
@@ -272,14 +297,14 @@ class CpuPool:
         """A snapshot for metrics.
 
         Returns:
-            ``{"workers", "fifo", "nice", "queue_depth", "in_flight", "by_priority": {"repair"|"chunk":
+            ``{"workers", "express", "fifo", "nice", "queue_depth", "in_flight", "by_priority": {"repair"|"chunk":
             {"queued", "submitted", "completed", "wait_ms_mean", "wait_ms_max", "wait_ms_p50",
             "wait_ms_p99", "run_ms_p50", "run_ms_p99"}}}``. Wait = submission to start, run = start to end,
             in milliseconds; percentiles over the last ``window`` tasks of that priority (``None`` before
             the first).
         """
         with self._cv:
-            out = {"workers": self.workers, "fifo": self.fifo, "nice": self.nice,
+            out = {"workers": self.workers, "express": self.express, "fifo": self.fifo, "nice": self.nice,
                    "queue_depth": self.queue_depth, "in_flight": self.in_flight, "by_priority": {}}
             for p, name in _PRIORITY_NAMES.items():
                 waits = np.asarray(self._waits[p], dtype=float)
@@ -298,9 +323,10 @@ class CpuPool:
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop accepting tasks; workers finish the queue and exit."""
-        with self._cv:
+        with self._lock:
             self._closed = True
             self._cv.notify_all()
+            self._cv_express.notify_all()
         if wait:
             for t in self._threads:
                 if t is not threading.current_thread():
@@ -312,23 +338,22 @@ _shared_lock = threading.Lock()
 
 
 def shared_pool() -> CpuPool:
-    """The process-wide pool (created on first use, :func:`default_workers` threads). Every
-    :class:`ChunkedEncoder` without a pool of its own, and the serving handler, use it."""
+    """The process-wide pool (created on first use: :func:`default_workers` general workers and one express
+    thread for repairs, nice unchanged). Every :class:`ChunkedEncoder` without a pool of its own, and the
+    serving handler, use it."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = CpuPool(name="toktier-shared")
+            _shared = CpuPool(express=1, name="toktier-shared")
         return _shared
 
 
-def configure_shared_pool(workers: int | None = None, *, nice: int = 0) -> CpuPool:
-    """Replace the process-wide pool (a serving process sets its size and nice value at startup).
-
-    The old pool, if any, finishes its queue in the background.
-    """
+def configure_shared_pool(workers: int | None = None, *, express: int = 1, nice: int = 0) -> CpuPool:
+    """Replace the process-wide pool (a serving process sets its size, express threads and nice value at
+    startup; see :class:`CpuPool`). The old pool, if any, finishes its queue in the background."""
     global _shared
     with _shared_lock:
-        old, _shared = _shared, CpuPool(workers, nice=nice, name="toktier-shared")
+        old, _shared = _shared, CpuPool(workers, express=express, nice=nice, name="toktier-shared")
     if old is not None:
         old.shutdown(wait=False)
     return _shared

@@ -259,6 +259,24 @@ def test_pool_runs_repairs_before_queued_chunks():
     p.shutdown()
 
 
+def test_express_thread_runs_a_repair_while_every_worker_is_busy():
+    p = CpuPool(1, express=1, nice=5, name="test-express")
+    gate = threading.Event()
+    chunk = p.submit(gate.wait, 10, priority=CHUNK)  # the only general worker is busy
+    while p.in_flight == 0:
+        time.sleep(0.001)
+    assert p.call(lambda: threading.current_thread().name, priority=REPAIR).startswith("test-express-express")
+    assert not chunk.done()
+    with pytest.raises(TimeoutError):  # an express thread never takes a chunk
+        p.submit(lambda: None, priority=CHUNK).result(timeout=0.2)
+    gate.set()
+    assert chunk.result(timeout=10) is True
+    st = p.stats()
+    assert st["express"] == 1 and st["by_priority"]["repair"]["completed"] == 1
+    assert CpuPool(1, express=1, fifo=True).express == 0  # the FIFO baseline has none
+    p.shutdown()
+
+
 def test_fifo_pool_ignores_priority():
     p = CpuPool(1, fifo=True, name="test-fifo")
     gate = threading.Event()
@@ -287,12 +305,13 @@ def test_pool_errors_and_nested_map_do_not_deadlock():
         p.submit(print)
 
 
-def test_repair_submitted_during_long_encode_finishes_first(corpus_texts):
+@pytest.mark.parametrize("express", [0, 1])
+def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, express):
     """The Delta Tokenizer property: a session repair submitted while a long full encode is running
     finishes before it, waiting at most about one chunk (here a chunk is ~20K chars, ~0.1 ms of
     gigatoken; the bound is loose for a loaded CI machine)."""
     tok = load("qwen3")
-    p = CpuPool(2, name="test-delta")
+    p = CpuPool(2, express=express, name="test-delta")
     enc = ChunkedEncoder(tok, pool=p, chunk_chars=20_000, min_chars=0)
     text = corpus.long_session_text(3_000_000)
     n_chunks = len(enc.bounds(text)) - 1

@@ -131,7 +131,8 @@ class Handler:
         """A handler from a model's ``config.pbtxt`` parameters (all strings; see ``model_repository/README.md``):
         ``tokenizer``, ``tokenizer_sha256``, ``engine``, ``max_text_bytes``, ``session_budget_bytes``,
         ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``;
-        the CPU pool's ``pool_workers`` (0 = one per core), ``pool_nice`` (added to the workers' nice value),
+        the CPU pool's ``pool_workers`` (0 = one per core), ``pool_express`` (threads that run only session
+        repairs), ``pool_nice`` (added to the general workers' nice value),
         ``chunk_chars`` and ``parallel_min_chars`` (chunked full encode, chars; see ``toktier_backend.parallel``).
 
         Raises:
@@ -146,7 +147,8 @@ class Handler:
             except ValueError:
                 raise ValueError(f"model parameter {key}={raw!r} is not a valid {kind.__name__}") from None
 
-        pool = parallel.configure_shared_pool(num("pool_workers", "0") or None, nice=num("pool_nice", "0"))
+        pool = parallel.configure_shared_pool(num("pool_workers", "0") or None, express=num("pool_express", "1"),
+                                              nice=num("pool_nice", "0"))
         handler = cls.from_spec(
             params.get("tokenizer", "default"),
             sha256=(params.get("tokenizer_sha256") or "").strip() or None,
