@@ -91,13 +91,19 @@ def load_ours(path: Path, *, parallel: bool):
     return tok
 
 
+GAP_S = 0.2  # --gap-s
+
+
 def drain(tok) -> None:
-    """Let the prefix index's background insert finish (untimed): right after ``drain()`` returns, the next
-    4M-char encode still ran ~5 ms slower (llama3_1: 21-23 vs 16-17 ms); after 0.2 s more, as without an index."""
+    """Let the prefix index's background insert finish (untimed), then stay idle ``GAP_S`` seconds: right
+    after ``drain()`` returns, the next 4M-char encode still ran ~5 ms slower (llama3_1: 21-23 vs 16-17 ms).
+    (An idle gap has a cost of its own on this VM: back to back, our chunked 4M-char encode took ~12.5 ms,
+    after 0.2 s idle ~16-18 ms, waking the pool's threads first or not.)"""
     idx = getattr(tok, "prefix_index", None)
     if idx is not None and hasattr(idx, "drain"):
         idx.drain()
-        time.sleep(0.2)
+        if GAP_S:
+            time.sleep(GAP_S)
 
 
 def toktier_chunked(name: str, path: Path) -> A.Anchor:
@@ -221,6 +227,8 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
         skipped = {a.name: a.reason for a in anchors if a.encode is None}
         for k, why in skipped.items():
             print(f"  {k}: skipped: {why}")
+        if args.chunk_chars:
+            tok_p.chunked.chunk_chars = args.chunk_chars
         tok_p.chunked.prepare()  # engine objects for the pool's workers, as serving does at model load
         for t in ("warm up " * 40_000, ):  # pool threads, caches
             tok_p.encode(t), tok_s.encode(t)
@@ -500,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=8, help="texts per size")
     p.add_argument("--hf-samples", type=int, default=3, help="of those, how many HF encodes (and checks)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="fresh-encode columns to run")
+    p.add_argument("--gap-s", type=float, default=0.2, help="idle seconds after our prefix index is drained")
+    p.add_argument("--chunk-chars", type=int, default=None, help="override parallel.CHUNK_CHARS for ours_par")
     p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune")
     p.add_argument("--pathological", action="store_true", help="add the pathological section")
     p.add_argument("--patho-sizes", default="250000,1000000")
@@ -520,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", default=None, help="shared folder (default <repo>/../shared)")
     p.add_argument("--out", default="bench/out")
     args = p.parse_args(argv)
+    global GAP_S
+    GAP_S = args.gap_s
     sections = set(args.only.split(",")) | {s for s, on in (("pathological", args.pathological),
                                                           ("mixed", args.mixed), ("tune", args.tune)) if on}
 

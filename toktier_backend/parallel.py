@@ -33,7 +33,7 @@ so there is nothing of gigatoken's to delegate to; the measured tables are in ``
 from one queue with two priorities, on one worker thread per core plus an *express* thread that takes only
 repairs. A repair is short and goes to the head of the queue: it never waits behind the chunks of a long
 request (a plain FIFO pool makes it wait for all of them), and with the express thread it does not even
-wait for the running chunk to end (without it, at most one chunk: ``chunk_chars`` chars, ~0.5 ms). Serving
+wait for the running chunk to end (without it, at most one chunk: ``chunk_chars`` chars, ~2 ms). Serving
 also lowers the general workers' OS priority (``nice``), so a running repair keeps a core while chunks
 wait. :meth:`CpuPool.stats` gives queue depth, tasks in flight, wait and run times for metrics.
 
@@ -69,11 +69,14 @@ REPAIR = 0
 CHUNK = 1
 _PRIORITY_NAMES = {REPAIR: "repair", CHUNK: "chunk"}
 
-#: Target chunk size (chars). ``bench/full_encode.py --only tune`` (2 cores, quiet machine, p50 of 7, 4M
-#: chars): qwen3 whole 20.4 ms, chunks of 16K/32K/64K/128K/256K/512K 30.1/21.9/17.9/14.0/16.1/13.1 ms;
-#: gpt2 whole 17.7, chunks 27.1/21.0/15.0/12.2/11.8/12.0 ms. 128K is on the plateau and keeps a
-#: repair's wait for a running chunk short (one chunk: ~0.5 ms of gigatoken).
-CHUNK_CHARS = 128 * 1024
+#: Target chunk size (chars). Two measurements on 2 cores (quiet machine, p50, 4M chars of agent text):
+#: ``--only tune`` (``ChunkedEncoder`` alone): qwen3 whole 20.4 ms, chunks of 16K/32K/64K/128K/256K/512K
+#: 30.1/21.9/17.9/14.0/16.1/13.1 ms; gpt2 whole 17.7, chunks 27.1/21.0/15.0/12.2/11.8/12.0 ms. In the
+#: fresh-encode run (``Tokenizer.encode``, after the other systems ran in the process), gpt2 128K/512K/1M/2M:
+#: 19.6/13.6/12.5/13.4 ms, qwen3 23.8/20.1/22.9/19.1 ms: every chunk costs GIL hand-offs between the
+#: workers. 512K keeps 4 chunks per worker at 4M chars for balance. A repair does not wait for a chunk on a
+#: pool with an express thread; without one it waits at most one chunk (~2 ms at 512K).
+CHUNK_CHARS = 512 * 1024
 #: Texts shorter than this (chars) are encoded whole, on the calling thread. Same run, 1M chars: qwen3 whole
 #: 5.4 ms vs best chunked 5.8 ms, gpt2 4.6 vs 4.2; at 512K whole wins (3.0 vs 3.4, 2.5 vs 2.8): per-chunk
 #: overhead and GIL hand-offs eat the second core's gain below ~1M chars.
