@@ -19,6 +19,12 @@ import time
 from pathlib import Path
 
 assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+import faulthandler  # noqa: E402
+
+#: A check that runs past this many seconds (normally 5-15 s per file) dumps every thread's stack to stderr
+#: and exits 1, so a hang in the simulator shows where it hangs instead of waiting out the caller's timeout.
+HANG_S = float(os.environ.get("TOKTIER_SIM_HANG_S", "240"))
+faulthandler.dump_traceback_later(HANG_S, exit=True)
 sys.setswitchinterval(2e-4)  # simulated threads hand the GIL over 25x faster: ~8x faster syncthreads
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,4 +132,8 @@ def check(name: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps([check(n) for n in sys.argv[1:]]))
+    results = []
+    for n in sys.argv[1:]:
+        results.append(check(n))
+        print(f"sim check {n}: {results[-1]['seconds']} s", file=sys.stderr, flush=True)
+    print(json.dumps(results))

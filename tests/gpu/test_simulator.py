@@ -1,9 +1,9 @@
 """The numba.cuda kernels on numba's CUDA simulator, compared with HF and with the NumPy predicates.
 
 The simulator must be chosen before numba is imported, so each check runs ``_sim_check.py`` in a
-subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (never skipped: numba is in the ``test`` extra). The
-subprocesses start together and run side by side; inputs are tiny because every simulated CUDA thread
-is a Python thread (about 10 s per tokenizer file).
+subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (never skipped: numba is in the ``test`` extra). One
+subprocess per file, two side by side; inputs are tiny because every simulated CUDA thread is a Python
+thread (about 5-15 s per tokenizer file).
 
 Covered per file: ids of a batch (one device pass, each text its own segment) and of a single text,
 the kernel predicate's output on the same pass against ``predicates.starts`` (added-token segments
@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,18 +30,40 @@ except ImportError as e:  # pragma: no cover
 
 NAMES = ["gpt2", "llama3_1", "qwen3", "deepseek_v3", "synthetic"]
 SCRIPT = Path(__file__).with_name("_sim_check.py")
+HANG_S = 240  # seconds before a check is taken as hung (normally 5-15 s per file on 2 cores)
+
+
+def _run(name: str) -> subprocess.Popen:
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", TOKTIER_SIM_HANG_S=str(HANG_S))
+    return subprocess.Popen([sys.executable, str(SCRIPT), name], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _hung(stderr: str) -> bool:
+    return "Timeout (" in stderr  # faulthandler.dump_traceback_later's header: the check hung, not failed
 
 
 @pytest.fixture(scope="module")
 def sim_results() -> dict[str, dict]:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    groups = [["gpt2", "synthetic", "qwen3"], ["llama3_1", "deepseek_v3"]]  # two processes for two cores
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *g], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for g in groups]
+    """One subprocess per file, two at a time (two cores). A check that fails returns its stderr in the
+    assertion. A check that *hangs* (the simulator's polling block manager, one Python thread per CUDA
+    thread; one CI run hung past 600 s on a file that takes ~6 s here) dumps every thread's stack and
+    exits (``_sim_check.HANG_S``); it is rerun once in a fresh process and the dump is reported as a
+    warning, so a hang is visible without deciding the run. Mismatches are never retried."""
     out: dict[str, dict] = {}
-    for p, g in zip(procs, groups):
-        stdout, stderr = p.communicate(timeout=600)
-        assert p.returncode == 0, f"simulator check {g} failed:\n{stderr[-4000:]}"
+    pending = list(NAMES)
+    running: list[tuple[str, subprocess.Popen, int]] = []
+    while pending or running:
+        while pending and len(running) < 2:
+            name = pending.pop(0)
+            running.append((name, _run(name), 0))
+        name, proc, tries = running.pop(0)
+        stdout, stderr = proc.communicate(timeout=HANG_S + 60)
+        if proc.returncode != 0 and _hung(stderr) and tries == 0:
+            warnings.warn(f"simulator check {name} hung and was rerun; its stacks:\n{stderr[-6000:]}")
+            running.append((name, _run(name), 1))
+            continue
+        assert proc.returncode == 0, f"simulator check {name} failed (rc {proc.returncode}):\n{stderr[-6000:]}"
         for r in json.loads(stdout.strip().splitlines()[-1]):
             out[r["name"]] = r
     return out
