@@ -12,10 +12,16 @@ measured crossover size and the GPU engine accepts it; everything else takes the
 Every route is counted in :attr:`GpuRouter.counts` (never silent), and :meth:`GpuRouter.encode` returns
 the route with the ids. Both engines are exact, so the route never changes the ids.
 
-Hook (not wired here): in ``model_repository/toktier_encode`` the GPU instance group holds one
-``GpuRouter(cpu_engine=<admitted fast engine>, gpu_engine=GpuEngine(path))`` per model instance and
-calls :meth:`GpuRouter.encode` where the handler now calls the CPU engine's full encode; the CPU
-instances keep the CPU engine alone and take the overflow.
+Wiring (``model_repository/toktier_encode``): each model instance of kind GPU (``instance_group [ { kind:
+KIND_GPU ... } ]``) builds its router with :func:`gpu_router_for` at load: ``GpuEngine(path)`` on the
+instance's device, admitted only if it passes the same load-time canary as the CPU fast engines
+(:func:`toktier_backend.admission.run_canary`), and ``cpu_engine`` = :class:`FreshCpuEngine`, the
+tokenizer's own fresh-text encode (prefix index, chunked encode, guard set, quarantine). The handler
+(``serving/handler.py``) sends the body of every stateless encode through :meth:`GpuRouter.encode`; the
+post-processor and validation are unchanged. A GPU instance whose engine cannot load or fails the canary
+keeps a router without a GPU engine (every request ``cpu_no_gpu``) and never fails the model load. CPU
+instances have no router and take the overflow: Triton's scheduler hands a request to whichever instance is
+free. Routes are exported as ``toktier_encode_route_total`` (``serving/metrics.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ class GpuRouter:
     """Size-based router with backpressure and CPU fallback.
 
     Args:
-        cpu_engine: any ``Engine`` (the admitted fast engine or the HF reference); always available.
+        cpu_engine: any ``Engine`` (in serving, :class:`FreshCpuEngine`: the tokenizer's own fresh-text
+            encode; or the admitted fast engine, or the HF reference); always available.
         gpu_engine: a ``GpuEngine``, or ``None`` (then every request is routed to the CPU).
         crossover_chars: requests with at least this many chars go to the GPU.
         max_queue: requests allowed to wait for the device besides the one running; more go to the CPU.
@@ -54,6 +61,10 @@ class GpuRouter:
         self._device = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.last_error: str = ""
+        #: How the GPU engine was obtained (set by :func:`gpu_router_for`): ``"ok"``, ``"unavailable"``
+        #: (no CUDA device, no numba, unsupported family), ``"canary_failed"``; ``gpu_reason`` says why.
+        self.gpu_status = "ok" if gpu_engine is not None else "unavailable"
+        self.gpu_reason = ""
 
     def route(self, text: str) -> str:
         """The route a request would take if the queue had room: ``"gpu"`` or a ``"cpu_*"`` reason."""
@@ -87,6 +98,105 @@ class GpuRouter:
                     self._slots.release()
         self.counts[route] += 1
         return self.cpu.encode(text), route
+
+
+class FreshCpuEngine:
+    """A tokenizer's CPU encode of a fresh text as an ``Engine``: what a CPU model instance runs.
+
+    ``encode(text)`` is ``tokenizer.encode_fresh(text)[0]``: body ids ``int32[n]`` (no post-processor),
+    equal to HF ``encode(text, add_special_tokens=False).ids``, through the prefix index, the chunked encode
+    on the CPU pool, the admitted fast engine outside its guard set, and the reference under quarantine.
+    """
+
+    name = "cpu"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.tokenizer.encode_fresh(text)[0]
+
+
+class _OnDevice:
+    """A ``GpuEngine`` whose calls run with CUDA device ``device_id`` current. numba keeps the current
+    context per thread; a request thread other than the one that loaded the engine would get device 0."""
+
+    name = "gpu"
+
+    def __init__(self, engine, device_id: int):
+        from numba import cuda
+
+        self.engine, self.device_id, self._gpus = engine, device_id, cuda.gpus
+
+    def accepts(self, text: str) -> bool:
+        return self.engine.accepts(text)
+
+    def encode(self, text: str) -> np.ndarray:
+        with self._gpus[self.device_id]:
+            return self.engine.encode(text)
+
+
+def _new_gpu_engine(path: str, device_id: int):
+    """``GpuEngine(path)`` built on CUDA device ``device_id``, wrapped so every call runs on it.
+
+    Raises:
+        ImportError: numba (the ``[gpu]`` extra) is missing.
+        EngineUnavailable: no CUDA device, no device ``device_id``, or the file's family is not supported.
+    """
+    from numba import cuda
+
+    from ..errors import EngineUnavailable
+    from . import _warp
+    from .engine import GpuEngine
+
+    if not _warp.SIM and not cuda.is_available():
+        raise EngineUnavailable("engine 'gpu': no CUDA device is available (numba.cuda.is_available() is False)")
+    if not 0 <= device_id < len(cuda.gpus):
+        raise EngineUnavailable(f"engine 'gpu': no CUDA device {device_id} (this process sees {len(cuda.gpus)})")
+    with cuda.gpus[device_id]:
+        return _OnDevice(GpuEngine(path), device_id)
+
+
+def gpu_router_for(tokenizer, *, device_id: int = 0, crossover_chars: int = DEFAULT_CROSSOVER_CHARS,
+                   max_queue: int = 4, engine_factory=None) -> GpuRouter:
+    """The router of a GPU model instance: ``GpuEngine`` on ``device_id``, admitted by the canary.
+
+    Args:
+        tokenizer: the instance's core ``Tokenizer``; its fresh-text encode is the CPU engine.
+        device_id: the CUDA device (Triton's ``model_instance_device_id``).
+        crossover_chars, max_queue: as :class:`GpuRouter`.
+        engine_factory: ``(path, device_id) -> engine`` (default: ``GpuEngine`` on that device).
+
+    Returns:
+        a :class:`GpuRouter`. Never raises for the GPU engine: when it cannot be built (``ImportError``,
+        ``EngineUnavailable``, a CUDA error) or disagrees with the HF reference on the canary
+        (``admission.run_canary``, the check every fast engine passes at load), the router has no GPU
+        engine (``gpu_status`` ``"unavailable"`` / ``"canary_failed"``, ``gpu_reason``; one log line) and
+        every request takes the CPU engine, counted as ``cpu_no_gpu``.
+    """
+    from ..admission import run_canary
+
+    cpu = FreshCpuEngine(tokenizer)
+    factory = engine_factory or _new_gpu_engine
+    path = str(tokenizer.spec.path)
+    try:
+        gpu = factory(path, device_id)
+    except Exception as e:  # no device, no numba, unsupported family, CUDA error: never fail the model load
+        router = GpuRouter(cpu, None, crossover_chars=crossover_chars, max_queue=max_queue)
+        router.gpu_status, router.gpu_reason = "unavailable", f"{type(e).__name__}: {e}"
+        log.warning("GPU engine unavailable on device %d for %s (%s); this instance serves from the CPU engine",
+                    device_id, path, router.gpu_reason)
+        return router
+    reason = run_canary(tokenizer.spec, gpu)
+    if reason:
+        router = GpuRouter(cpu, None, crossover_chars=crossover_chars, max_queue=max_queue)
+        router.gpu_status, router.gpu_reason = "canary_failed", reason
+        log.error("GPU engine refused on device %d for %s: %s; this instance serves from the CPU engine",
+                  device_id, path, reason)
+        return router
+    log.info("GPU engine admitted on device %d for %s (canary passed; crossover %d chars, queue %d)",
+             device_id, path, crossover_chars, max_queue)
+    return GpuRouter(cpu, gpu, crossover_chars=crossover_chars, max_queue=max_queue)
 
 
 def measure_crossover(cpu_engine, gpu_engine, texts_by_size: dict[int, str], *, repeats: int = 5) -> int:

@@ -75,6 +75,9 @@ class Handler:
             ``parallel.shared_pool()``). Session steps run on it at ``REPAIR`` priority and the tokenizer's
             chunked full encodes at ``CHUNK`` priority, so a repair starts after at most one chunk of a long
             encode, not after all of it; ``pool.stats()`` gives queue depth, tasks in flight, wait times.
+        router: a ``gpu.routing.GpuRouter`` (a GPU model instance of ``toktier_encode``): the body of each
+            stateless encode goes through ``router.encode`` (GPU above its crossover, else the CPU);
+            ``None``: the tokenizer's own encode (a CPU instance).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Handler:
         verifier: Any = None,
         metrics: Any = None,
         pool: parallel.CpuPool | None = None,
+        router: Any = None,
     ):
         if max_text_bytes <= 0:
             raise ValueError(f"max_text_bytes must be > 0, got {max_text_bytes!r}")
@@ -97,6 +101,7 @@ class Handler:
         self.max_text_bytes = int(max_text_bytes)
         self.metrics = metrics
         self.verifier = verifier
+        self.router = router
         self.store = SessionStore(ttl_s=session_ttl_s, max_bytes=session_budget_bytes, clock=clock,
                                   on_evict=self._on_evict)
         self._lock = threading.Lock()
@@ -127,17 +132,27 @@ class Handler:
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], *, session_ttl_s: float = DEFAULT_SESSION_TTL_S,
-                        model: str = "toktier_session") -> "Handler":
+                        model: str = "toktier_session", instance_kind: str = "CPU",
+                        device_id: int = 0) -> "Handler":
         """A handler from a model's ``config.pbtxt`` parameters (all strings; see ``model_repository/README.md``):
         ``tokenizer``, ``tokenizer_sha256``, ``engine``, ``max_text_bytes``, ``session_budget_bytes``,
         ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``;
         the CPU pool's ``pool_workers`` (0 = one per core), ``pool_express`` (threads that run only session
         repairs), ``pool_nice`` (added to the general workers' nice value),
-        ``chunk_chars`` and ``parallel_min_chars`` (chunked full encode, chars; see ``toktier_backend.parallel``).
+        ``chunk_chars`` and ``parallel_min_chars`` (chunked full encode, chars; see ``toktier_backend.parallel``);
+        for a ``toktier_encode`` instance of kind ``"GPU"``: ``gpu_engine`` (``"auto"``: GPU engine on
+        ``device_id`` when it loads and passes the canary, else the CPU; ``"off"``), ``gpu_crossover_chars``
+        (texts of at least this many chars go to the GPU) and ``gpu_max_queue`` (see ``gpu/routing.py``).
+
+        Args:
+            instance_kind: Triton's ``model_instance_kind`` (``"CPU"``, ``"GPU"``, ``"MODEL"``).
+            device_id: Triton's ``model_instance_device_id`` (the CUDA device of a GPU instance).
 
         Raises:
             tt.UnsupportedTokenizer: the file cannot be served; the model then fails to load.
-            ValueError: a parameter is not a number where one is needed (names the parameter).
+            ValueError: a parameter is not a number where one is needed, or ``gpu_engine`` is not ``auto`` /
+                ``off`` (names the parameter). A GPU engine that cannot load never raises: it is logged and
+                counted, and the instance serves from the CPU.
         """
 
         def num(key: str, default: str, kind=int):
@@ -166,6 +181,24 @@ class Handler:
         from toktier_backend.serving.metrics import get_metrics
 
         handler.metrics = get_metrics()
+        if model == "toktier_encode" and str(instance_kind).upper() == "GPU":
+            gpu_mode = (params.get("gpu_engine") or "auto").strip().lower()
+            if gpu_mode not in ("auto", "off"):
+                raise ValueError(f"model parameter gpu_engine={gpu_mode!r} is not one of ['auto', 'off']")
+            status = "off"
+            if gpu_mode == "auto":
+                from toktier_backend.gpu.routing import DEFAULT_CROSSOVER_CHARS, gpu_router_for
+
+                handler.router = gpu_router_for(
+                    handler.tokenizer, device_id=int(device_id),
+                    crossover_chars=num("gpu_crossover_chars", str(DEFAULT_CROSSOVER_CHARS)),
+                    max_queue=num("gpu_max_queue", "4"),
+                )
+                status = handler.router.gpu_status
+            else:
+                log.info("toktier_encode GPU instance (device %s): gpu_engine=off, serving from the CPU engine", device_id)
+            if handler.metrics is not None:
+                handler.metrics.observe_gpu_engine(model, status)
         rate = num("verifier_rate", "0.01", float)
         first_n = num("verifier_first_n", "32")
         if rate > 0 or first_n > 0:
@@ -384,20 +417,34 @@ class Handler:
             self._sync()
             self._check_size(text, None)
             value = _decode(text, None, self.name)
-            ids = self.tokenizer.encode(value, add_special_tokens=flag)
+            if self.router is None:
+                ids, route = self.tokenizer.encode(value, add_special_tokens=flag), "cpu_instance"
+            else:
+                ids, route = self.tokenizer._encode_with(value, flag, self._routed_body)
+                if route == "reference":
+                    route = "cpu_reference"
         except Exception as e:
             self._count_error("toktier_encode", e)
             raise
         if self.metrics is not None:
             self.metrics.observe_reply("toktier_encode", "encode", "encode", time.perf_counter() - t0)
+            self.metrics.observe_encode_route("toktier_encode", route)
         if self.verifier is not None and self.verifier.wants():
             self.verifier.submit(value, ids, add_special_tokens=flag, route="encode",
-                                 engine=getattr(self.tokenizer.engine, "name", ""))
+                                 engine="gpu" if route == "gpu" else getattr(self.tokenizer.engine, "name", ""))
         self._refresh_gauges("toktier_encode")
         return {
             "INPUT_ID": np.asarray(ids, dtype=np.int32),
             "REQUEST_INPUT_LEN": np.array([len(ids)], dtype=np.int32),
         }
+
+    def _routed_body(self, text: str) -> tuple[np.ndarray, str]:
+        """Body ids ``int32[n]`` of a fresh text on a GPU instance, and the route (``GpuRouter.encode``'s, or
+        ``"cpu_quarantined"``). A quarantined ``full`` route (the shadow verifier caught a stateless reply,
+        possibly the GPU's) keeps every text off the GPU until an operator clears it."""
+        if "full" in self.tokenizer.quarantined:
+            return self.tokenizer.encode_fresh(text)[0], "cpu_quarantined"
+        return self.router.encode(text)
 
     def handle_encode_tensors(self, inputs: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         """:meth:`handle_encode` from input tensors (``TEXT``, optional ``ADD_SPECIAL_TOKENS``)."""

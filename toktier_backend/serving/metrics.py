@@ -36,7 +36,17 @@ toktier_session_evictions_total            counter    model, cause (idle | budge
 toktier_prefix_index_bytes                 gauge      model: the cross-session prefix index (its own budget)
 toktier_cpu_pool_queue_depth               gauge      model: tasks waiting in the shared CPU pool
 toktier_cpu_pool_wait_seconds              gauge      model, priority, stat (mean | p50 | p99 | max): submission to start
+toktier_encode_route_total                 counter    model, route: where a stateless encode's body ran (below)
+toktier_gpu_engine_loads_total             counter    model, result (ok | off | unavailable | canary_failed): GPU
+                                                      instances' engine at load
 =========================================  =========  ==========================================================
+
+Routes of ``toktier_encode_route_total`` (``toktier_backend.gpu.routing``): ``gpu``; on a GPU instance, the
+CPU because the text is under ``gpu_crossover_chars`` (``cpu_small``), the instance has no admitted GPU
+engine (``cpu_no_gpu``), the GPU engine does not take the text (``cpu_not_accepted``: NFC files),
+``gpu_max_queue`` requests already wait (``cpu_queue_full``), the GPU raised (``cpu_gpu_error``), the
+``full`` route is quarantined (``cpu_quarantined``), or the whole text goes to the reference
+(``cpu_reference``: non-constant post-processor); ``cpu_instance``: a CPU instance (no router).
 """
 
 from __future__ import annotations
@@ -125,6 +135,10 @@ class Metrics:
                                 ["model"], registry=reg, multiprocess_mode="livesum")
         self.pool_wait = Gauge("toktier_cpu_pool_wait_seconds", "CPU pool wait (submission to start).",
                                ["model", "priority", "stat"], registry=reg, multiprocess_mode="livemax")
+        self.encode_routes = Counter("toktier_encode_route", "Stateless encodes by where the body ran: gpu, or "
+                                     "a cpu_* reason.", ["model", "route"], registry=reg)
+        self.gpu_engine_loads = Counter("toktier_gpu_engine_loads", "GPU model instances' engine at load: ok, "
+                                        "off, unavailable, canary_failed.", ["model", "result"], registry=reg)
         self._explicit_pool_stats = pool_stats is not None
         self.pool_stats = pool_stats or _shared_pool_stats
         self._pool_next = 0.0  # pool stats cost percentiles over a window: refreshed at most once a second
@@ -154,6 +168,17 @@ class Metrics:
             self.tokens.labels(model, "reused").inc(int(repair.reused))
         if repair.reencoded:
             self.tokens.labels(model, "reencoded").inc(int(repair.reencoded))
+
+    def observe_encode_route(self, model: str, route: str) -> None:
+        """One stateless encode served on ``route`` (``gpu`` or a ``cpu_*`` reason; see the module docstring)."""
+        self.encode_routes.labels(model, route).inc()
+
+    def observe_gpu_engine(self, model: str, result: str) -> None:
+        """A GPU instance's engine at load: ``ok``, ``off``, ``unavailable`` or ``canary_failed``. Exports the
+        GPU fallback routes at 0 so that alerts see the series."""
+        self.gpu_engine_loads.labels(model, result).inc()
+        for route in ("gpu", "cpu_no_gpu", "cpu_gpu_error", "cpu_queue_full"):
+            self.encode_routes.labels(model, route)
 
     def observe_error(self, model: str, code: str) -> None:
         self.errors.labels(model, code).inc()

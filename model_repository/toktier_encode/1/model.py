@@ -8,7 +8,9 @@ Outputs:
     REQUEST_INPUT_LEN  TYPE_INT32  [1]  number of ids
 
 Errors are per request: INVALID_ARG (not UTF-8, lone surrogate, over max_text_bytes), UNAVAILABLE, INTERNAL.
-All logic is in ``toktier_backend.serving.handler``.
+An instance of kind GPU routes fresh texts above ``gpu_crossover_chars`` to the GPU engine on its device
+(``gpu_engine`` "auto"; CPU fallback, never a failed load: ``toktier_backend.gpu.routing``); CPU instances
+take the overflow. All logic is in ``toktier_backend.serving.handler``.
 """
 
 import json
@@ -24,8 +26,11 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = triton_io.model_parameters(config)
         self.batched = triton_io.is_batched(config)
-        # tokenizer (+ sha256 pin), size limit, shadow verifier: see model_repository/README.md
-        self.handler = Handler.from_parameters(params, model="toktier_encode")
+        # tokenizer (+ sha256 pin), size limit, shadow verifier, GPU router: see model_repository/README.md
+        self.handler = Handler.from_parameters(
+            params, model="toktier_encode", instance_kind=args.get("model_instance_kind", "CPU"),
+            device_id=int(args.get("model_instance_device_id") or 0),
+        )
 
     def execute(self, requests):
         responses = []
