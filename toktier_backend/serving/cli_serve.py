@@ -113,6 +113,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quarantine-file", default=None, help="quarantine file shared by the instances (see toktier quarantine)")
     p.add_argument("--pytriton", action="store_true", help="serve the same handler through PyTriton instead")
     p.add_argument("--tritonserver", default=None, help="another tritonserver binary with its own Python backend")
+    p.add_argument("--encode-gpu-instances", type=int, default=0,
+                   help="toktier_encode GPU instances per GPU, beside one CPU instance that takes the overflow "
+                        "(default 0: CPU only; needs the [gpu] extra and a CUDA device, else they serve from the CPU)")
+    p.add_argument("--gpu-engine", choices=("auto", "off"), default=None,
+                   help="GPU instances: 'auto' (GPU engine if it loads and passes the canary) or 'off'")
+    p.add_argument("--gpu-crossover-chars", type=int, default=None,
+                   help="GPU instances: texts of at least this many chars go to the GPU (default 65536)")
+    p.add_argument("--gpu-max-queue", type=int, default=None,
+                   help="GPU instances: requests that may wait for the device before the rest go to the CPU (default 4)")
     p.add_argument("--with-ensemble", action="store_true",
                    help="also serve the TensorRT-LLM ensemble example (ensemble -> preprocessing -> a CPU tensorrt_llm stand-in)")
 
@@ -134,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
         toktier_metrics_port=None if args.toktier_metrics_port < 0 else args.toktier_metrics_port,
         parameters=_parameters(args),
         with_ensemble=args.with_ensemble,
+        encode_gpu_instances=args.encode_gpu_instances,
     )
 
 
@@ -147,6 +157,9 @@ def _parameters(args: argparse.Namespace) -> dict[str, str]:
         ("verifier_first_n", args.verifier_first_n),
         ("verifier_debug", "true" if args.verifier_debug else None),
         ("quarantine_file", args.quarantine_file),
+        ("gpu_engine", args.gpu_engine),
+        ("gpu_crossover_chars", args.gpu_crossover_chars),
+        ("gpu_max_queue", args.gpu_max_queue),
     ):
         if value is not None:
             out[key] = str(value)

@@ -127,6 +127,18 @@ def _set_parameter(config: str, key: str, value: str) -> str:
     return new
 
 
+def gpu_instance_group(gpu_instances: int, cpu_instances: int = 1) -> str:
+    """``toktier_encode``'s instance group for a GPU machine: ``gpu_instances`` GPU instances on each visible
+    GPU (Triton's ``count`` without ``gpus``) and ``cpu_instances`` CPU instances that take the overflow."""
+    groups = [f"{{ kind: KIND_GPU count: {int(gpu_instances)} }}"]
+    if cpu_instances > 0:
+        groups.append(f"{{ kind: KIND_CPU count: {int(cpu_instances)} }}")
+    return "instance_group [ " + ", ".join(groups) + " ]"
+
+
+_INSTANCE_GROUP = re.compile(r"^instance_group[ \t]*\[.*\][ \t]*$", re.MULTILINE)
+
+
 def prepare_repository(
     destination: str | Path,
     *,
@@ -135,6 +147,7 @@ def prepare_repository(
     max_text_bytes: int | None = None,
     session_idle_s: float | None = None,
     parameters: dict[str, str] | None = None,
+    encode_gpu_instances: int = 0,
 ) -> Path:
     """Copy a model repository and substitute the serve-time settings in each ``config.pbtxt``.
 
@@ -146,13 +159,18 @@ def prepare_repository(
         session_idle_s: ``max_sequence_idle_microseconds`` in seconds, for models with a sequence batcher
             (``None`` keeps it); the session store's TTL follows it.
         parameters: more model parameters to substitute (``session_budget_bytes``, ``tokenizer_sha256``,
-            ``verifier_rate``, ``quarantine_file``, ...), in every config that declares them.
+            ``verifier_rate``, ``quarantine_file``, ``gpu_engine``, ``gpu_crossover_chars``, ...), in every
+            config that declares them.
+        encode_gpu_instances: when > 0, ``toktier_encode``'s ``instance_group`` becomes
+            :func:`gpu_instance_group` (that many GPU instances per GPU plus one CPU instance); 0 keeps the
+            shipped CPU-only group (Triton refuses ``KIND_GPU`` on a machine without GPUs).
 
     Returns:
         the new repository path.
 
     Raises:
         FileNotFoundError: no such source repository.
+        ValueError: a parameter or the ``instance_group`` line to substitute is missing.
     """
     src = Path(source) if source is not None else DEFAULT_MODEL_REPOSITORY
     if not src.is_dir():
@@ -174,6 +192,10 @@ def prepare_repository(
         if session_idle_s is not None and "max_sequence_idle_microseconds" in text:
             us = max(1, int(round(session_idle_s * 1e6)))
             text = re.sub(r"max_sequence_idle_microseconds:\s*\d+", f"max_sequence_idle_microseconds: {us}", text)
+        if encode_gpu_instances > 0 and config_path.parent.name == "toktier_encode":
+            text, n = _INSTANCE_GROUP.subn(gpu_instance_group(encode_gpu_instances), text)
+            if n != 1:
+                raise ValueError(f"{config_path}: expected one instance_group line to substitute, found {n}")
         config_path.write_text(text)
     return dst
 
@@ -234,6 +256,8 @@ class TritonServer:
         parameters: model parameters to substitute (``session_budget_bytes``, ``tokenizer_sha256``,
             ``verifier_rate``, ``verifier_first_n``, ``verifier_debug``, ``quarantine_file``, ``engine``).
         env: extra environment variables for tritonserver and its stubs.
+        encode_gpu_instances: GPU instances of ``toktier_encode`` per GPU, beside one CPU instance (0: the
+            shipped CPU-only group); see :func:`prepare_repository`.
         extra_model_repositories: more repositories served beside it (each copied and substituted the same
             way, passed as another ``--model-repository``), e.g. the TensorRT-LLM ensemble example.
     """
@@ -256,8 +280,10 @@ class TritonServer:
         toktier_metrics_port: int | None = None,
         parameters: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
+        encode_gpu_instances: int = 0,
     ):
         ports = free_ports(4, host)
+        self.encode_gpu_instances = int(encode_gpu_instances)
         self.toktier_metrics_port = None if toktier_metrics_port is None else (toktier_metrics_port or ports[3])
         self.parameters = dict(parameters or {})
         self.env = dict(env or {})
@@ -335,6 +361,7 @@ class TritonServer:
             max_text_bytes=self.max_text_bytes,
             session_idle_s=self.session_idle_s,
             parameters=self.parameters,
+            encode_gpu_instances=self.encode_gpu_instances,
         )
         self._extra_prepared = [
             prepare_repository(self.workdir / f"models_extra{i}", tokenizer=self.tokenizer, source=src,
@@ -554,14 +581,19 @@ def serve(
     with_ensemble: bool = False,
     toktier_metrics_port: int | None = 8003,
     parameters: dict[str, str] | None = None,
+    encode_gpu_instances: int = 0,
 ) -> int:
     """Serve until SIGTERM or SIGINT, then stop cleanly. Returns the process exit code (0 on a clean stop).
 
     ``with_ensemble`` also serves the TensorRT-LLM ensemble example (``ensemble`` -> our ``preprocessing``
     -> a CPU stand-in ``tensorrt_llm``; see ``docs/integrations.md``); not with ``pytriton``.
+    ``encode_gpu_instances`` > 0 serves ``toktier_encode`` with that many GPU instances per GPU plus one CPU
+    instance (:func:`prepare_repository`); not with ``pytriton``.
     """
     if with_ensemble and pytriton:
         raise ValueError("--with-ensemble needs tritonserver's model repository; PyTriton (--pytriton) cannot serve it")
+    if encode_gpu_instances and pytriton:
+        raise ValueError("--encode-gpu-instances sets tritonserver instance groups; PyTriton (--pytriton) has none")
     if pytriton:
         server: TritonServer | PyTritonServer = PyTritonServer(
             tokenizer,
@@ -588,6 +620,7 @@ def serve(
             extra_model_repositories=_ensemble_example() if with_ensemble else (),
             toktier_metrics_port=toktier_metrics_port,
             parameters=parameters,
+            encode_gpu_instances=encode_gpu_instances,
         )
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
