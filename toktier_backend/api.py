@@ -278,19 +278,22 @@ class Tokenizer:
             InvalidRequest: the encoded part holds a lone surrogate (names its char index in ``text``).
         """
         idx = self.prefix_index
-        hit = None
-        if idx is not None and not self.quarantined and len(text) >= 2 * idx.step:  # no reuse under quarantine
-            hit = idx.lookup(text)
+        indexed = idx is not None and not self.quarantined and len(text) >= 2 * idx.step  # no reuse in quarantine
+        hit = idx.lookup(text) if indexed else None
         if hit is None:
             if "full" in self.quarantined or not self.chunked.wants(text):  # encode_body's chunked route
                 _check_scalars(text)  # checks each chunk on the pool
             body, engine = self.encode_body(text)
         else:
-            _check_scalars(text, hit.cut)
-            tail, engine = self.encode_body(text[hit.cut :])
-            body = np.concatenate([hit.ids, tail])
+            ch, n = self.chunked, len(text)
+            if "full" not in self.quarantined and ch.available and n - hit.cut < ch.min_chars:
+                tail, engine = ch.encode_span(text, hit.cut, n)  # one UTF-8 encode, engine without the GIL
+            else:
+                _check_scalars(text, hit.cut)
+                tail, engine = self.encode_body(text[hit.cut :])
+            body = np.concatenate([*hit.parts, tail])  # one copy of the ids
             engine += "+prefix"
-        if idx is not None and not self.quarantined and len(text) >= 2 * idx.step:
+        if indexed:
             idx.insert_later(text, body, after=hit)  # hashed off the request path
         return body, engine
 

@@ -467,6 +467,22 @@ class ChunkedEncoder:
         name = self.tok.engine.name
         return ids, name if refs == 0 else "hf" if refs == len(parts) else f"{name}+hf"
 
+    def encode_span(self, text: str, a: int, b: int) -> tuple[np.ndarray, str]:
+        """Body ids of ``text[a:b]`` on the calling thread, as one chunk: one UTF-8 encode serves the lone
+        surrogate check, the guard check and the engine's input, and the engine runs without the GIL
+        (a 60K-char tail: ~0.30 ms, vs ~0.38 ms through ``Tokenizer.encode_body``). ``text[a:b]`` must
+        start at a stable cut and be wanted as a whole (not :meth:`wants`-long).
+
+        Returns:
+            ``(ids, engine)``: ``np.ndarray[int32] (n_tokens,)`` equal to HF
+            ``encode(text[a:b], add_special_tokens=False).ids``, and the engine's name or ``"hf"``.
+
+        Raises:
+            InvalidRequest: a lone surrogate (names its char index in ``text``).
+        """
+        ids, ref = self._encode_chunk(text, (a, b))
+        return ids, "hf" if ref else self.tok.engine.name
+
     def _encode_chunk(self, text: str, span: tuple[int, int]) -> tuple[np.ndarray, bool]:
         """Body ids of ``text[a:b]`` and whether the reference produced them.
 
