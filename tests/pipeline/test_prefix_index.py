@@ -80,3 +80,22 @@ def test_eviction_under_a_small_budget(corpus_texts):
         check(tok, ref, t[:9000])
         check(tok, ref, t[:9000] + " again")
     assert idx.evictions > 0 and idx.nbytes <= 40_000
+
+
+def test_regions_bytes_accounting_and_multi_region_chains(corpus_texts):
+    """A chain built by several inserts (one region each) is confirmed run by run, a hit may end inside a
+    region, and ``nbytes`` is exactly the live nodes' bytes plus each region still pointed into once."""
+    tok, ref = load("qwen3"), reference("qwen3")
+    idx = fresh_index(tok, step=512)
+    base = "".join(corpus_texts[:3])[:12_000] + " é中"  # non-ASCII: the request texts are not ASCII strings
+    check(tok, ref, base[:4000])            # region 1
+    check(tok, ref, base[:8000])            # region 2, chained under region 1
+    check(tok, ref, base[:8000] + "\nXYZ")  # hit across both regions (a full and a partial run)
+    check(tok, ref, base[:6100] + "\n€ edit")  # hit ending inside region 2
+    regions = {id(n.region): n.region for n in idx._nodes.values()}
+    assert len(regions) >= 2 and idx.hits >= 2
+    assert idx.nbytes == sum(n.nbytes for n in idx._nodes.values()) + sum(r.nbytes for r in regions.values())
+    idx.budget_bytes = 0
+    idx._evict()
+    assert len(idx) == 0 and idx.nbytes == 0
+    check(tok, ref, base[:8000] + "\nafter eviction")  # a miss, still exact
