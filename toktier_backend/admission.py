@@ -52,11 +52,23 @@ CANARY: tuple[str, ...] = (
 #: in front of it, so an engine and the reference with different Unicode tables disagree there (found by the
 #: session fuzz on qwen2_5: ``"  \u0308\u1715word"``).
 CONTEXTS: tuple[str, ...] = ("a{}b", " {}{}", "1{}\u0301", " \u0308{}b", "\n{}'s ")
+#: Added for files whose normalizer reorders or composes (NFC/NFD/NFKC/NFKD): a mark of combining class 1
+#: (U+0334) *after* the code point. With ``" \u0308{}b"`` (class 230 before) this makes any difference in a
+#: code point's combining class between the engine's and the reference's Unicode tables visible: a class
+#: in (0, 230) reorders against U+0308, a class above 1 against U+0334 (found by the session fuzz on
+#: qwen2_5: ``"\u1acd\u0591"``, U+1ACD class 230 since Unicode 14, reordered by gigatoken only).
+NORMALIZER_CONTEXTS: tuple[str, ...] = (" {}\u0334b",)
+
+
+def contexts_for(spec: TokenizerSpec) -> tuple[str, ...]:
+    """The probe contexts of ``spec``'s guard set (:data:`CONTEXTS`, plus :data:`NORMALIZER_CONTEXTS` when
+    the normalizer holds a Unicode normalization form)."""
+    return CONTEXTS + NORMALIZER_CONTEXTS if spec.unicode_normalizer else CONTEXTS
 
 
 def guard_key(spec: TokenizerSpec, engine) -> str:
     """Cache file name of a guard table: file, engine build, reference version and the probe contexts."""
-    ctx = hashlib.sha256("|".join(CONTEXTS).encode()).hexdigest()[:8]
+    ctx = hashlib.sha256("|".join(contexts_for(spec)).encode()).hexdigest()[:8]
     return f"{spec.sha256[:32]}-{engine.name}-{engine.version}-tokenizers{tokenizers.__version__}-ctx{ctx}.json"
 
 _BLOCK = 1024
@@ -202,8 +214,8 @@ def check_offsets(spec: TokenizerSpec) -> None:
             return
 
 
-def _probe(cps: list[int]) -> str:
-    return _SEP.join(ctx.format(chr(cp), chr(cp)) for cp in cps for ctx in CONTEXTS)
+def _probe(cps: list[int], contexts: tuple[str, ...] = CONTEXTS) -> str:
+    return _SEP.join(ctx.format(chr(cp), chr(cp)) for cp in cps for ctx in contexts)
 
 
 def _scalar_values() -> list[int]:
@@ -213,18 +225,19 @@ def _scalar_values() -> list[int]:
 def compute_guard_set(spec: TokenizerSpec, engine, block: int = _BLOCK) -> list[int]:
     """Code points on which ``engine`` and the reference disagree in any context (exhaustive)."""
     ref = spec.reference
+    contexts = contexts_for(spec)
     cps = _scalar_values()
     blocks = [cps[i : i + block] for i in range(0, len(cps), block)]
     guarded: list[int] = []
     batch = 32
     for i in range(0, len(blocks), batch):
         group = blocks[i : i + batch]
-        texts = [_probe(b) for b in group]
+        texts = [_probe(b, contexts) for b in group]
         wants = ref.encode_batch(texts, add_special_tokens=False)
         for b, text, want in zip(group, texts, wants):
             if engine.encode(text).tolist() == want.ids:
                 continue
-            singles = [_probe([cp]) for cp in b]
+            singles = [_probe([cp], contexts) for cp in b]
             for cp, t, w in zip(b, singles, ref.encode_batch(singles, add_special_tokens=False)):
                 if engine.encode(t).tolist() != w.ids:
                     guarded.append(cp)
