@@ -130,3 +130,60 @@ def test_memory_per_session_is_bounded_and_charged_honestly(tok, mode):
     assert measured <= charged * 1.02  # the store never charges less than is held
     assert charged <= text_bytes + 9 * n + ENTRY_OVERHEAD + 512
     assert measured <= text_bytes + 9 * n + ENTRY_OVERHEAD
+
+
+class FakeIndex:
+    """What ``SessionStore.share_budget`` needs from a ``PrefixIndex``: chunks with last-use times."""
+
+    def __init__(self, chunks):
+        self.chunks = list(chunks)  # (used, nbytes), least recently used first
+
+    @property
+    def nbytes(self):
+        return sum(n for _, n in self.chunks)
+
+    def oldest_use(self):
+        return self.chunks[0][0] if self.chunks else None
+
+    def evict_oldest(self):
+        return self.chunks.pop(0)[1]
+
+
+def test_shared_budget_evicts_least_recently_used_across_sessions_and_index():
+    clock = Clock()
+    size = 20 + ENTRY_OVERHEAD  # what a session of 20 bytes is charged
+    store = SessionStore(clock=clock, max_bytes=2 * size + 60)
+    index = FakeIndex([(50.0, 30), (120.0, 30)])  # one chunk older than every session, one newer
+    store.share_budget(index)
+    store.put(1, entry(clock, 20))  # t=100
+    clock.t = 110
+    store.put(2, entry(clock, 20))  # exactly the budget: nothing evicted
+    assert index.chunks == [(50.0, 30), (120.0, 30)] and sorted(store._entries) == [1, 2]
+    clock.t = 130
+    store.put(3, entry(clock, 20))  # over by one session: the t=50 chunk, then session 1 (t=100 < 120)
+    assert index.chunks == [(120.0, 30)] and sorted(store._entries) == [2, 3]
+    clock.t = 140
+    store.put(4, entry(clock, 30))  # session 2 (t=110) is older than the t=120 chunk
+    assert index.chunks == [(120.0, 30)] and sorted(store._entries) == [3, 4]
+    assert store.evictions["budget"] == 2 and store.nbytes + index.nbytes <= store.max_bytes
+
+
+def test_handler_charges_the_prefix_index_to_the_session_budget():
+    """A real handler: sessions share a system prompt through the prefix index, and sessions plus index
+    stay within one budget; every reply equals the HF reference."""
+    from toktier_backend.pipeline.prefix_index import PrefixIndex
+
+    tok = tt.load_tokenizer(tt.default_tokenizer_path())  # its own: the handler binds its index
+    tok.prefix_index = PrefixIndex(tok.cuts, tok.spec.token_nbytes, tok.spec.normalized_nbytes, step=512)
+    clock = Clock()
+    budget = 120_000
+    h = Handler(tok, session_budget_bytes=budget, clock=clock)
+    prompt = "".join(load_turns(trajectory_files(None)[0]))[:12_000]
+    for i in range(1, 25):
+        clock.t += 1
+        text = prompt + f"\nuser {i}: " + "word " * (i * 40)
+        out = h.handle_session(i, text.encode(), start=True)
+        assert out["INPUT_ID"].tolist() == tok.reference.encode(text).ids
+        tok.prefix_index.drain()
+        assert h.store.nbytes + tok.prefix_index.nbytes <= budget
+    assert tok.prefix_index.hits > 0 and h.store.evictions["budget"] > 0

@@ -31,6 +31,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -75,6 +76,7 @@ class _Node:
     ids: np.ndarray  # body ids of the chunk, int32
     n_tokens: int  # body ids of the whole prefix up to this node's end
     nbytes: int  # ids and bookkeeping (the region's text is counted once, on the region)
+    used: float = 0.0  # clock time of the last hit or insert that touched it (shared-budget LRU)
 
     @property
     def end(self) -> int:
@@ -139,6 +141,11 @@ class PrefixIndex:
         self.nbytes = 0
         self.hits = self.misses = self.collisions = self.evictions = self.dropped = 0
         self.queue_size = queue_size
+        #: Clock of :attr:`_Node.used` (seconds); a serving handler sets its session store's clock.
+        self.clock = time.monotonic
+        #: Called (outside the lock) after an insert added nodes: a serving handler enforces the byte budget
+        #: it shares with its sessions there (``SessionStore.account``).
+        self.on_grow = None
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self.chars_reused = 0
@@ -206,8 +213,10 @@ class PrefixIndex:
                 if chain[0].start != 0 or not _same_text(text, chain):
                     self.collisions += 1  # fingerprint (or orphaned chain) without the content: keep looking
                     continue
+                now = self.clock()
                 for x in chain:  # root first: ancestors stay more recent than their leaves
                     self._nodes.move_to_end(x.key)
+                    x.used = now
                 self.hits += 1
                 self.chars_reused += node.end
                 return PrefixHit(cut=node.end, parts=[x.ids for x in chain], node=node)
@@ -258,6 +267,7 @@ class PrefixIndex:
                     hi = c
                     added += 1
                 self._nodes.move_to_end(key)
+                node.used = self.clock()
                 parent, start, tok = node, c, tok + k
             if added:
                 region.text = text[lo:hi]
@@ -267,6 +277,8 @@ class PrefixIndex:
                     if x.region is region:
                         x.off = x.start - lo
             self._evict()
+        if added and self.on_grow is not None:
+            self.on_grow()
         return added
 
     def insert_later(self, text: str, body_ids: np.ndarray, *, after: PrefixHit | None = None) -> bool:
@@ -307,23 +319,38 @@ class PrefixIndex:
             finally:
                 self._queue.task_done()
 
+    def oldest_use(self) -> float | None:
+        """:attr:`clock` time of the least recently used node, ``None`` when empty (shared-budget LRU)."""
+        with self._lock:
+            return next(iter(self._nodes.values())).used if self._nodes else None
+
+    def evict_oldest(self) -> int:
+        """Evict the least recently used node (a leaf before the prefixes it hangs from); bytes freed."""
+        with self._lock:
+            return self._evict_one() if self._nodes else 0
+
     def _evict(self) -> None:
         while self.nbytes > self.budget_bytes and self._nodes:
-            _, node = self._nodes.popitem(last=False)
-            self.nbytes -= node.nbytes
-            self.evictions += 1
-            node.region.live -= 1
-            if node.region.live == 0:  # its last node: the region's text goes with it
-                self.nbytes -= node.region.nbytes
-            fp = (node.end, node.chunk[-_FP:] if node.length >= _FP else None)
-            if fp[1] is not None and self._by_fp.get(fp) is node:
-                del self._by_fp[fp]
-            else:  # short chunk: fingerprint reaches into the parent's text; find it by identity
-                for k, v in list(self._by_fp.items()):
-                    if v is node:
-                        del self._by_fp[k]
-                        break
-            node.parent = None  # orphans fail confirmation (chain must start at 0) and age out
+            self._evict_one()
+
+    def _evict_one(self) -> int:
+        before = self.nbytes
+        _, node = self._nodes.popitem(last=False)
+        self.nbytes -= node.nbytes
+        self.evictions += 1
+        node.region.live -= 1
+        if node.region.live == 0:  # its last node: the region's text goes with it
+            self.nbytes -= node.region.nbytes
+        fp = (node.end, node.chunk[-_FP:] if node.length >= _FP else None)
+        if fp[1] is not None and self._by_fp.get(fp) is node:
+            del self._by_fp[fp]
+        else:  # short chunk: fingerprint reaches into the parent's text; find it by identity
+            for k, v in list(self._by_fp.items()):
+                if v is node:
+                    del self._by_fp[k]
+                    break
+        node.parent = None  # orphans fail confirmation (chain must start at 0) and age out
+        return before - self.nbytes
 
 
 def _same_text(text: str, chain: list[_Node]) -> bool:

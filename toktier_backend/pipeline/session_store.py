@@ -83,6 +83,9 @@ class SessionStore:
         self._nbytes = 0
         self._next_sweep = clock() + self.ttl_s
         self.evictions: Counter[str] = Counter()  # by cause, since start
+        #: Another store charged to the same budget (the tokenizer's ``PrefixIndex``: ``nbytes``,
+        #: ``oldest_use()`` on this store's clock, ``evict_oldest()``), or ``None``. See :meth:`share_budget`.
+        self.shared = None
 
     # ------------------------------------------------------------ reading
 
@@ -133,14 +136,24 @@ class SessionStore:
         self._entries[corr_id] = entry
         return self.account(corr_id)
 
-    def account(self, corr_id: CorrelationId) -> list[CorrelationId]:
-        """Re-measure ``corr_id`` after a request changed it, then evict least recently used sessions
-        while the total is over the budget.
+    def share_budget(self, other) -> None:
+        """Charge ``other`` (a ``PrefixIndex``) to this store's byte budget: one least-recently-used order
+        over sessions and indexed prefix chunks (a shared system prompt is indexed once, however many
+        sessions start from it). ``other`` must use this store's clock for its ``oldest_use``."""
+        self.shared = other
+
+    def _total(self) -> int:
+        return self._nbytes + (self.shared.nbytes if self.shared is not None else 0)
+
+    def account(self, corr_id: CorrelationId | None) -> list[CorrelationId]:
+        """Re-measure ``corr_id`` (``None``: nothing) after a request changed it, then evict what was used
+        least recently, sessions or (with :meth:`share_budget`) indexed prefix chunks, while the total is over
+        the budget.
 
         Returns:
             the correlation IDs evicted (``corr_id`` last, only if it alone is over the budget).
         """
-        entry = self._entries.get(corr_id)
+        entry = self._entries.get(corr_id) if corr_id is not None else None
         if entry is not None:
             size = int(getattr(entry.session, "nbytes", 0)) + ENTRY_OVERHEAD
             self._nbytes += size - entry.nbytes
@@ -148,16 +161,17 @@ class SessionStore:
         evicted: list[CorrelationId] = []
         if self.max_bytes is None:
             return evicted
-        while self._nbytes > self.max_bytes and self._entries:
-            victim = next(iter(self._entries))
-            if victim == corr_id:
-                if len(self._entries) == 1:
-                    break
-                self._entries.move_to_end(corr_id)  # evict others first
+        while self._total() > self.max_bytes:
+            victim = next((k for k in self._entries if k != corr_id), None)
+            oldest = self.shared.oldest_use() if self.shared is not None else None
+            if oldest is not None and (victim is None or oldest <= self._entries[victim].last_used):
+                self.shared.evict_oldest()
                 continue
+            if victim is None:
+                break
             self._drop(victim, "budget")
             evicted.append(victim)
-        if self._nbytes > self.max_bytes and corr_id in self._entries:
+        if self._total() > self.max_bytes and corr_id in self._entries:
             self._drop(corr_id, "budget")  # alone over the budget: the reply went out, the state does not stay
             evicted.append(corr_id)
         return evicted

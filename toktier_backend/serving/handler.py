@@ -106,6 +106,13 @@ class Handler:
                                   on_evict=self._on_evict)
         self._lock = threading.Lock()
         self._dropped_seen = 0
+        index = getattr(tokenizer, "prefix_index", None)
+        if index is not None and self.store.max_bytes is not None:
+            # one byte budget, one LRU order over sessions and indexed prefix chunks (issue #10)
+            index.clock = self.store.now
+            index.budget_bytes = min(index.budget_bytes, self.store.max_bytes)
+            self.store.share_budget(index)
+            index.on_grow = self._enforce_budget
         self.pool = pool if pool is not None else parallel.shared_pool()
         if hasattr(tokenizer, "chunked"):
             if pool is not None:
@@ -464,6 +471,12 @@ class Handler:
     def _count_error(self, model: str, exc: BaseException) -> None:
         if self.metrics is not None:
             self.metrics.observe_error(model, triton_io.error_code(exc))
+
+    def _enforce_budget(self) -> None:
+        """The prefix indexer's thread, after an insert: evict (sessions or index chunks, least recently used
+        first) until both fit the shared budget again."""
+        with self._lock:
+            self.store.account(None)
 
     def _on_evict(self, corr_id, entry, cause: str) -> None:
         if self.metrics is not None:
