@@ -22,6 +22,10 @@ import tempfile
 from pathlib import Path
 
 assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+import faulthandler  # noqa: E402
+
+# a hang in the simulator dumps every thread's stack and exits 1 (see _sim_check.py)
+faulthandler.dump_traceback_later(float(os.environ.get("TOKTIER_SIM_HANG_S", "240")), exit=True)
 sys.setswitchinterval(2e-4)  # simulated threads hand the GIL over faster (as in _sim_check.py)
 
 REPO = Path(__file__).resolve().parents[2]
