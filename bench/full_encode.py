@@ -4,12 +4,14 @@
 SWE-agent corpus rendered as ChatML, each starting ``STRIDE`` chars after the last, so no system can serve
 one from a cache) are encoded by each system, one system at a time, in two passes over the two halves of the
 samples (the second pass in reverse order: the machine's load drifts); HF runs last, on the first
-``--hf-samples``:
+``--hf-samples``. Every system sleeps the same ``--gap-s`` after each sample (ours after its prefix index is
+drained): an idle gap slows the next encode on this VM, so only equal gaps compare fairly:
 
 - ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with chunking off (``chunked.min_chars``
   infinite): validation, guard check, one whole-text gigatoken encode;
 - ``ours_par``: the same call with the shipped settings: chunked at stable cuts above
-  ``parallel.MIN_CHARS``, chunks on the shared pool (``toktier_backend.parallel``);
+  ``parallel.MIN_CHARS``; from ``parallel.BATCH_MIN_CHARS`` up, all chunks in one gigatoken batch call on its
+  own Rust threads (``encode_many``), below that chunks on the shared pool (``toktier_backend.parallel``);
 - ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``parallel.py``);
 - ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k);
 - ``toktier_chunked``: toktier 0.3.0 ``toktier.chunked.encode`` (qwen3, deepseek_v3, llama3_1 only);
@@ -21,9 +23,14 @@ a mismatch is printed as INEXACT. Our tokenizers' prefix index (a separate featu
 between samples, and each of ``ours``/``ours_par`` has its own tokenizer, so neither reuses the other's work.
 
 **Mixed load** (``--mixed``): a stream of short session repairs (``Session.append`` of a 1.0K-2.5K-char
-turn, submitted at ``REPAIR`` priority) while 4M-char fresh encodes arrive back to back on the same
-``CpuPool``: repair latency p50/p99 with no encodes, with a plain FIFO pool, and with the shared pool's
-priority; and, with ``--mixed-processes``, with the encodes in *another process* (as ``toktier_encode``
+turn, submitted at ``REPAIR`` priority) while 4M-char fresh encodes arrive back to back: repair latency
+p50/p99 with no encodes (``idle``); with a plain FIFO pool (``fifo``: the encodes' chunk tasks and the repairs
+in one first-come queue, one worker per core: a repair waits for every chunk queued before it, i.e. about a
+whole encode); with the shipped design (``priority``: repairs on a pool with priorities and an express thread,
+the encodes as ``Tokenizer.encode`` runs them with the shipped settings, i.e. at 4M chars one gigatoken batch
+call on its own Rust threads, outside the pool; a repair then waits for no encode at all, it only shares the
+cores); and, as a reference, ``priority_pool`` (the encodes' chunks on that same priority pool); and,
+with ``--mixed-processes``, with the encodes in *another process* (as ``toktier_encode``
 beside ``toktier_session`` in Triton) whose pool workers run at nice 0 or nice 10.
 
 **Pathological** (``--pathological``): runs of 250K and 1M ``a``, ``-``, spaces, newlines, digits through
@@ -147,6 +154,8 @@ def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> di
             chunks.append(tok.chunked.stats["chunks"] - before)
         if tok is not None:
             drain(tok)
+        elif GAP_S:
+            time.sleep(GAP_S)  # the same idle gap as ours gets after drain()
 
     half = (len(texts) + 1) // 2  # pass 1 on the first half of the samples, pass 2 on the rest: no text twice
     for order, part in ((fast, texts[:half]), (fast[::-1], texts[half:])):
@@ -269,7 +278,9 @@ def _repair_stream(s, deltas: list[str], n: int, pool, rng: random.Random, gap_m
 
 def mixed_once(path: Path, folder: Path, *, mode: str, size: int, n: int, base_chars: int, seed: int,
                nice: int = 5) -> dict:
-    """One mixed-load run. ``mode``: ``idle`` (no encodes), ``fifo`` or ``priority`` (encodes on the pool)."""
+    """One mixed-load run. ``mode``: ``idle`` (no encodes), ``fifo`` (chunks and repairs on a FIFO pool),
+    ``priority`` (shipped settings: repairs on a priority pool with an express thread, encodes by the batch
+    path where it applies) or ``priority_pool`` (the same pool, every encode's chunks on it)."""
     import tokenizers
 
     import toktier_backend as tt
@@ -281,6 +292,8 @@ def mixed_once(path: Path, folder: Path, *, mode: str, size: int, n: int, base_c
             CpuPool(express=1, nice=nice, name=f"bench-{mode}"))
     tok = tt.load_tokenizer(path)
     tok.chunked.pool = pool
+    if mode in ("fifo", "priority_pool"):  # chunks through the pool: the queue a repair can wait in
+        tok.chunked.batch_min_chars = 1 << 62
     tok.prefix_index = None  # scheduling only: no prefix reuse, no background indexer
     texts = sample_texts(size, 3, folder)
     base = session_base(base_chars, folder)
@@ -392,7 +405,7 @@ def run_mixed(args, shared: Path, folder: Path, results: dict) -> int:
         bad += r["mismatches"]
         rep, enc = r["repairs"], r["encodes"]
         pr = r["pool"]["by_priority"]["repair"]
-        print(f"  {mode:<9} repair p50 {rep['p50_ms']:7.2f} ms  p90 {rep['p90_ms']:7.2f}  p99 {r['repair_p99_ms']:7.2f} "
+        print(f"  {mode:<13} repair p50 {rep['p50_ms']:7.2f} ms  p90 {rep['p90_ms']:7.2f}  p99 {r['repair_p99_ms']:7.2f} "
               f"(n={rep['n']}; in the pool: wait p99 {pr['wait_ms_p99']:.2f}, run p99 {pr['run_ms_p99']:.2f})   "
               f"encode p50 {enc['p50_ms'] or 0:7.2f} ms (n={enc['n']})   "
               f"{'exact' if not r['mismatches'] else 'MISMATCH'}   load {r['loadavg']:.1f}", flush=True)
@@ -401,7 +414,7 @@ def run_mixed(args, shared: Path, folder: Path, results: dict) -> int:
         lat = [x for r in runs if r["mode"] == mode for x in r["repairs"]["samples_ms"]]
         enc = [x for r in runs if r["mode"] == mode for x in r["encodes"]["samples_ms"]]
         pooled[mode] = {"repairs": summary(lat), "repair_p99_ms": A.percentile(lat, 99), "encodes": summary(enc)}
-        print(f"  all {mode:<5} repair p50 {A.percentile(lat, 50):7.2f} ms  p99 {A.percentile(lat, 99):7.2f} (n={len(lat)})"
+        print(f"  all {mode:<13} repair p50 {A.percentile(lat, 50):7.2f} ms  p99 {A.percentile(lat, 99):7.2f} (n={len(lat)})"
               f"   encode p50 {A.percentile(enc, 50) or 0:7.2f} ms (n={len(enc)})", flush=True)
     ratio = None
     if "priority" in pooled and "fifo" in pooled:
@@ -519,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-size", type=int, default=4_000_000, help="chars of each fresh encode")
     p.add_argument("--mixed-repairs", type=int, default=400)
     p.add_argument("--mixed-base", type=int, default=100_000, help="chars of the repaired session")
-    p.add_argument("--mixed-modes", default="idle,fifo,priority,fifo,priority",
+    p.add_argument("--mixed-modes", default="idle,fifo,priority,fifo,priority,priority_pool",
                    help="runs in this order (each pool mode twice by default: the machine's load drifts)")
     p.add_argument("--mixed-nice", type=int, default=5, help="nice of the shared pool's general workers (priority)")
     p.add_argument("--switch-interval", type=float, default=None,

@@ -24,10 +24,24 @@ rejects lone surrogates and feeds the guard check); the rest of a chunk runs GIL
 GIL-free encode (HF ``tokenizers`` holds the GIL in ``encode``) are not chunked: threads would only take
 turns.
 
+**gigatoken's own parallel path, and which is kept.** gigatoken's ``encode_batch(parallel=True)`` *does*
+parallelize: it encodes a list of documents on its Rust thread pool (rayon, one thread per core) with the
+GIL released once, grouping consecutive documents into work units of at least 2 MiB and splitting a single
+document larger than that at its own "pretoken-safe" boundaries. We measured both (issue #4 asks for it):
+chunks on our pool vs all our chunks (cut at our stable cuts, ~512K chars each, below gigatoken's unit, so
+gigatoken only groups them and never cuts inside one) in one ``GigatokenEngine.encode_many`` call. The
+batch call was faster at 2M, 3M and 4M chars in the same runs (:data:`BATCH_MIN_CHARS`: 4M chars, qwen3,
+loaded machine, 21.2 vs 24.2 ms; the pool path pays one GIL hand-off per chunk start and end and keeps a
+word cache per Rust object, each seeing a fraction of the text), so **texts from BATCH_MIN_CHARS up take
+the batch path**; engines without ``encode_many``, and 1M-2M-char texts, keep the pool path. Each chunk is
+still encoded to UTF-8 once on the calling thread and guard-checked on its own: a chunk with a guarded code
+point is left out of the batch and encoded by the reference. The batch call runs outside the pool: session
+repairs on the pool's express thread never wait for it, they only share the cores with gigatoken's threads
+(``bench/full_encode.py --only mixed``, ``priority`` vs ``fifo``).
+
 **Which is faster, per size** (``bench/full_encode.py``, same run, 2 cores): the whole-text encode below
 :data:`MIN_CHARS` (1M chars: per-chunk overhead and GIL hand-offs eat the second core's gain), chunked
-above it (4M chars: ~1.4x the whole-text encode). gigatoken's own whole-text encode is serial (see above),
-so there is nothing of gigatoken's to delegate to; the measured tables are in ``bench/README.md``.
+above it; the measured tables are in ``bench/README.md``.
 
 **The shared pool** (the Delta Tokenizer design): :class:`CpuPool` runs chunk tasks and session repairs
 from one queue with two priorities, on one worker thread per core plus an *express* thread that takes only
@@ -81,6 +95,13 @@ CHUNK_CHARS = 512 * 1024
 #: 5.4 ms vs best chunked 5.8 ms, gpt2 4.6 vs 4.2; at 512K whole wins (3.0 vs 3.4, 2.5 vs 2.8): per-chunk
 #: overhead and GIL hand-offs eat the second core's gain below ~1M chars.
 MIN_CHARS = 1024 * 1024
+#: Texts at least this long (chars) give all their chunks to the engine's own parallel batch encode
+#: (``encode_many``: gigatoken's Rust threads, one GIL release) instead of the pool. Same runs, qwen3, fresh
+#: texts, ``Tokenizer.encode``, 2 cores shared with another user's load (load average ~2.5), p50 of 10,
+#: batch vs pool: 4M chars 21.2 vs 24.2 ms, 3M 18.0 vs 20.9, 2M 13.9 vs 16.4 (identical ids). gigatoken
+#: puts at least 2 MiB in one work unit, so below ~4 MB the batch runs on fewer threads than cores; 1M-2M
+#: chars stay on the pool (not remeasured).
+BATCH_MIN_CHARS = 2 * 1024 * 1024
 #: How far before each multiple of ``chunk_chars`` to look for a stable cut (chars). Agent text has one
 #: every few chars; a window with none (a 1M-char run of one letter, of spaces, of digits) merges two
 #: chunks, and the search stays O(chunks * SEARCH_CHARS) instead of O(len(text)) on text with no cut.
@@ -381,7 +402,8 @@ class ChunkedEncoder:
     """
 
     def __init__(self, tok: "Tokenizer", *, pool: CpuPool | None = None, chunk_chars: int = CHUNK_CHARS,
-                 min_chars: int = MIN_CHARS, search_chars: int = SEARCH_CHARS):
+                 min_chars: int = MIN_CHARS, search_chars: int = SEARCH_CHARS,
+                 batch_min_chars: int = BATCH_MIN_CHARS):
         if chunk_chars < 1 or search_chars < 1:
             raise ValueError(f"chunk_chars and search_chars must be >= 1, got {chunk_chars!r}, {search_chars!r}")
         self.tok = tok
@@ -389,9 +411,11 @@ class ChunkedEncoder:
         self.chunk_chars = int(chunk_chars)
         self.min_chars = int(min_chars)
         self.search_chars = int(search_chars)
+        self.batch_min_chars = int(batch_min_chars)
         self._encode = getattr(tok.engine, "encode_nogil", None)
+        self._encode_many = getattr(tok.engine, "encode_many", None)
         self._prepared = False
-        self.stats = {"encodes": 0, "chunks": 0, "reference_chunks": 0, "engine_errors": 0}
+        self.stats = {"encodes": 0, "chunks": 0, "reference_chunks": 0, "engine_errors": 0, "batch_encodes": 0}
         self._stats_lock = threading.Lock()
 
     @property
@@ -454,18 +478,25 @@ class ChunkedEncoder:
         spans = list(zip(b[:-1], b[1:]))
         if not self._prepared and len(spans) > 1:
             self.prepare()
+        batch = None
         if len(spans) == 1:  # no cut found: one chunk, on this thread
             parts = [self._encode_chunk(text, spans[0])]
+        elif self._encode_many is not None and len(text) >= self.batch_min_chars:
+            batch = self._encode_batch(text, spans)  # None: the engine failed; the pool path isolates the chunk
+        if batch is not None:
+            ids, refs = batch
         else:
-            parts = self.pool.map(lambda span: self._encode_chunk(text, span), spans, priority=CHUNK)
-        ids = np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
-        refs = sum(1 for _, ref in parts if ref)
+            if len(spans) > 1:
+                parts = self.pool.map(lambda span: self._encode_chunk(text, span), spans, priority=CHUNK)
+            ids = np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
+            refs = sum(1 for _, ref in parts if ref)
         with self._stats_lock:
             self.stats["encodes"] += 1
-            self.stats["chunks"] += len(parts)
+            self.stats["batch_encodes"] += batch is not None
+            self.stats["chunks"] += len(spans)
             self.stats["reference_chunks"] += refs
         name = self.tok.engine.name
-        return ids, name if refs == 0 else "hf" if refs == len(parts) else f"{name}+hf"
+        return ids, name if refs == 0 else "hf" if refs == len(spans) else f"{name}+hf"
 
     def encode_span(self, text: str, a: int, b: int) -> tuple[np.ndarray, str]:
         """Body ids of ``text[a:b]`` on the calling thread, as one chunk: one UTF-8 encode serves the lone
@@ -483,6 +514,47 @@ class ChunkedEncoder:
         ids, ref = self._encode_chunk(text, (a, b))
         return ids, "hf" if ref else self.tok.engine.name
 
+    def _encode_batch(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int] | None:
+        """Body ids of ``text`` cut at ``spans``, the engine's chunks in one ``encode_many`` call (its own
+        threads, GIL released once), and how many chunks the reference encoded; ``None`` when the engine
+        raised (nothing is answered approximately: the caller reruns the chunks on the pool, where each
+        chunk that fails goes to the reference on its own).
+
+        Each chunk is encoded to UTF-8 once on this thread (that rejects lone surrogates and feeds the guard
+        check); a chunk with a guarded code point is left out of the batch and encoded by the reference.
+        """
+        adm = self.tok.admission
+        ascii_guarded = adm._ascii_guarded
+        datas: list[bytes] = []
+        engine_at: list[int] = []
+        ref_at: list[int] = []
+        for i, (a, b) in enumerate(spans):
+            chunk = text[a:b]
+            data = _utf8(chunk, a)
+            if (len(data) != len(chunk) or ascii_guarded) and adm.has_guarded_utf8(data):
+                ref_at.append(i)
+            else:
+                datas.append(data)
+                engine_at.append(i)
+        if datas:
+            try:
+                ids, offsets = self._encode_many(datas)
+            except Exception as e:  # never answer approximately
+                log.warning("engine %s failed on a batch of %d chunks (%s); chunks rerun one by one",
+                            self.tok.engine.name, len(datas), e)
+                with self._stats_lock:
+                    self.stats["engine_errors"] += 1
+                return None
+            if not ref_at:
+                return ids, 0
+        parts: list[np.ndarray] = [None] * len(spans)  # type: ignore[list-item]
+        for j, i in enumerate(engine_at):
+            parts[i] = ids[offsets[j]:offsets[j + 1]]
+        for i in ref_at:
+            a, b = spans[i]
+            parts[i] = self.tok._hf.encode(text[a:b])
+        return np.concatenate(parts), len(ref_at)
+
     def _encode_chunk(self, text: str, span: tuple[int, int]) -> tuple[np.ndarray, bool]:
         """Body ids of ``text[a:b]`` and whether the reference produced them.
 
@@ -492,13 +564,7 @@ class ChunkedEncoder:
         """
         a, b = span
         chunk = text[a:b]
-        try:
-            data = chunk.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequest(
-                f"text holds a lone surrogate {chunk[e.start]!r} at char {a + e.start}: not a Unicode scalar "
-                "value; send valid UTF-8 text"
-            ) from None
+        data = _utf8(chunk, a)
         adm = self.tok.admission
         guarded = (len(data) != len(chunk) or adm._ascii_guarded) and adm.has_guarded_utf8(data)
         if not guarded:
@@ -511,5 +577,17 @@ class ChunkedEncoder:
         return self.tok._hf.encode(chunk), True
 
 
-__all__ = ["CHUNK", "CHUNK_CHARS", "MIN_CHARS", "REPAIR", "SEARCH_CHARS", "ChunkedEncoder", "CpuPool",
+def _utf8(chunk: str, at: int) -> bytes:
+    """``chunk`` as UTF-8; a lone surrogate is an :class:`InvalidRequest` naming its char index (``at`` is
+    the chunk's start in the text)."""
+    try:
+        return chunk.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"text holds a lone surrogate {chunk[e.start]!r} at char {at + e.start}: not a Unicode scalar "
+            "value; send valid UTF-8 text"
+        ) from None
+
+
+__all__ = ["BATCH_MIN_CHARS", "CHUNK", "CHUNK_CHARS", "MIN_CHARS", "REPAIR", "SEARCH_CHARS", "ChunkedEncoder", "CpuPool",
            "configure_shared_pool", "default_workers", "shared_pool"]
