@@ -412,8 +412,6 @@ class ChunkedEncoder:
         self.min_chars = int(min_chars)
         self.search_chars = int(search_chars)
         self.batch_min_chars = int(batch_min_chars)
-        self._encode = getattr(tok.engine, "encode_nogil", None)
-        self._encode_many = getattr(tok.engine, "encode_many", None)
         self._prepared = False
         self.stats = {"encodes": 0, "chunks": 0, "reference_chunks": 0, "engine_errors": 0, "batch_encodes": 0}
         self._stats_lock = threading.Lock()
@@ -434,6 +432,26 @@ class ChunkedEncoder:
         if reserve is not None and self.available:
             reserve(self.pool.workers + 1)
         self._prepared = True
+
+    @property
+    def _encode(self):
+        """The tokenizer's *current* engine's GIL-free encode (looked up per call: an engine swapped after
+        load, e.g. a test's faulty engine, must serve every path or none), ``None`` if it has none. Tests
+        may set it (a spy or a failing engine)."""
+        return self.__dict__.get("_encode_set") or getattr(self.tok.engine, "encode_nogil", None)
+
+    @_encode.setter
+    def _encode(self, fn) -> None:
+        self.__dict__["_encode_set"] = fn
+
+    @property
+    def _encode_many(self):
+        """The current engine's ``encode_many`` (one parallel call for many chunks), ``None`` if it has none."""
+        return self.__dict__.get("_encode_many_set") or getattr(self.tok.engine, "encode_many", None)
+
+    @_encode_many.setter
+    def _encode_many(self, fn) -> None:
+        self.__dict__["_encode_many_set"] = fn
 
     @property
     def available(self) -> bool:
