@@ -147,10 +147,7 @@ def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> di
     def run(name: str, text: str) -> None:
         tok = toks.get(name)
         before = tok.chunked.stats["chunks"] if tok is not None else 0
-        # A new str object per system and sample (untimed copy): CPython caches a str's UTF-8 the first time
-        # a Rust extension (PyO3) reads it, so a system that ran after another on the same object got its
-        # ~2.5 ms of UTF-8 conversion at 4M chars for free. A request decoded from the wire has no cache.
-        text = "".join((text[:1], text[1:]))
+        text = A.fresh_str(text)  # a new object per system and sample: no UTF-8 cached by a system before
         t, ids = timed(lambda: systems[name](text))
         ms[name].append(t)
         got[name].append(np.array(ids, dtype=np.int64))

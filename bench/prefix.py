@@ -43,14 +43,6 @@ def _time(fn):
         gc.enable()
 
 
-def _fresh(text: str) -> str:
-    """A new ``str`` object equal to ``text`` (untimed): CPython caches a str's UTF-8 the first time a Rust
-    extension (PyO3) reads it, and the expected ids were computed from these objects, so without a copy
-    gigatoken's timed call got its UTF-8 conversion (~0.6 ms per 1M chars) for free. A request decoded
-    from the wire has no cache."""
-    return "".join((text[:1], text[1:]))
-
-
 def _collected():
     """One full collection before a system's block of samples."""
     gc.collect()
@@ -86,7 +78,7 @@ def main() -> None:
         ours_ms, giga_ms, bad = [], [], 0                   # evicted the caches of the next (~0.5 vs ~0.2 ms)
         _collected()
         for first, w in zip(firsts, want):
-            first = _fresh(first)
+            first = anchors.fresh_str(first)
             s = tok.session()
             ms, ids = _time(lambda: s.update(first))
             ours_ms.append(ms)
@@ -95,7 +87,7 @@ def main() -> None:
         giga(prompt)  # gigatoken's history: the prompt once, as ours (no per-sample priming)
         _collected()
         for first in firsts:
-            first = _fresh(first)
+            first = anchors.fresh_str(first)
             gms, _ = _time(lambda: giga(first))
             giga_ms.append(gms)
         res["system_prompt_40k"] = _row(name, "new session, 40K prompt seen", ours_ms, giga_ms, bad)
@@ -120,7 +112,7 @@ def main() -> None:
         ours_ms, giga_ms = [], []
         _collected()
         for i, text in enumerate(texts):
-            text = _fresh(text)
+            text = anchors.fresh_str(text)
             ms, ids = _time(lambda: tok.encode(text, add_special_tokens=False))
             ours_ms.append(ms)
             tok.prefix_index.drain()
@@ -132,7 +124,7 @@ def main() -> None:
             giga(text)
         _collected()
         for text in texts:
-            text = _fresh(text)
+            text = anchors.fresh_str(text)
             gms, _ = _time(lambda: giga(text))
             giga_ms.append(gms)
         res["fresh_1m_95pct"] = _row(name, "fresh 1M, 95% shared", ours_ms, giga_ms, bad)

@@ -286,8 +286,8 @@ class Tokenizer:
             if fast and not ch.wants(text):  # one UTF-8 encode for surrogate check, guard check, engine input
                 body, engine = ch.encode_span(text, 0, n)  # (1M chars: ~1.4 ms less than through encode_body)
             else:
-                if not fast or not ch.wants(text):
-                    _check_scalars(text)  # (a chunked encode checks each chunk itself)
+                if not fast:  # (fast here means a chunked encode, which checks each chunk itself)
+                    _check_scalars(text)
                 body, engine = self.encode_body(text)
         else:
             if fast and n - hit.cut < ch.min_chars:

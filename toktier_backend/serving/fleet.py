@@ -583,8 +583,13 @@ def run_fleet(args: argparse.Namespace) -> int:
     fleet = Fleet(args.tokenizer, args.replicas, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                   log_dir=args.log_dir, nginx=args.nginx, nginx_workers=args.nginx_workers,
                   toktier_metrics=True, **kwargs)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    from toktier_backend.serving.server import stop_on_signals
+
+    with stop_on_signals() as stop:
+        return _run_until(fleet, stop, args)
+
+
+def _run_until(fleet: "Fleet", stop: threading.Event, args) -> int:
     try:
         try:
             fleet.start(args.ready_timeout)
@@ -615,8 +620,6 @@ def run_fleet(args: argparse.Namespace) -> int:
         return 0
     finally:
         fleet.stop()
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def add_fleet_parser(subparsers) -> argparse.ArgumentParser:

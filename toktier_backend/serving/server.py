@@ -19,6 +19,7 @@ for itself:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -622,8 +623,24 @@ def serve(
             parameters=parameters,
             encode_gpu_instances=encode_gpu_instances,
         )
+    with stop_on_signals() as stop:
+        return _run_until(server, stop, tokenizer, pytriton, ready_timeout_s)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """An ``Event`` set by SIGTERM or SIGINT while the block runs; the previous handlers come back after it
+    (``toktier serve`` and ``toktier fleet`` run until it is set)."""
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _run_until(server, stop: threading.Event, tokenizer, pytriton: bool, ready_timeout_s: float) -> int:
     try:
         server.start()
         server.wait_ready(ready_timeout_s)
@@ -642,8 +659,6 @@ def serve(
         return 0
     finally:
         server.stop()
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def _ensemble_example() -> list[Path]:
