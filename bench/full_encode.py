@@ -9,9 +9,9 @@ drained): an idle gap slows the next encode on this VM, so only equal gaps compa
 
 - ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with chunking off (``chunked.min_chars``
   infinite): validation, guard check, one whole-text gigatoken encode;
-- ``ours_par``: the same call with the shipped settings: chunked at stable cuts above
-  ``parallel.MIN_CHARS``; from ``parallel.BATCH_MIN_CHARS`` up, all chunks in one gigatoken batch call on its
-  own Rust threads (``encode_many``), below that chunks on the shared pool (``toktier_backend.parallel``);
+- ``ours_par``: the same call with the shipped settings: from ``parallel.MIN_CHARS`` up, chunked at stable
+  cuts, one chunk per worker of the shared pool (``toktier_backend.parallel``), converted to UTF-8 on the
+  calling thread and encoded by gigatoken GIL-free on the pinned workers;
 - ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``parallel.py``);
 - ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k);
 - ``toktier_chunked``: toktier 0.3.0 ``toktier.chunked.encode`` (qwen3, deepseek_v3, llama3_1 only);
@@ -26,11 +26,10 @@ between samples, and each of ``ours``/``ours_par`` has its own tokenizer, so nei
 turn, submitted at ``REPAIR`` priority) while 4M-char fresh encodes arrive back to back: repair latency
 p50/p99 with no encodes (``idle``); with a plain FIFO pool (``fifo``: the encodes' chunk tasks and the repairs
 in one first-come queue, one worker per core: a repair waits for every chunk queued before it, i.e. about a
-whole encode); with the shipped design (``priority``: repairs on a pool with priorities and an express thread,
-the encodes as ``Tokenizer.encode`` runs them with the shipped settings, i.e. at 4M chars one gigatoken batch
-call on its own Rust threads, outside the pool; a repair then waits for no encode at all, it only shares the
-cores); and, as a reference, ``priority_pool`` (the encodes' chunks on that same priority pool); and,
-with ``--mixed-processes``, with the encodes in *another process* (as ``toktier_encode``
+whole encode); with the shipped design (``priority``: the encodes' chunks and the repairs on one pool with
+priorities, an express thread for repairs, chunk workers at nice +5 and pinned while they run a chunk, as a
+``toktier_session`` process configures its shared pool: a repair waits for no chunk, it only shares the
+cores); and, with ``--mixed-processes``, with the encodes in *another process* (as ``toktier_encode``
 beside ``toktier_session`` in Triton) whose pool workers run at nice 0 or nice 10.
 
 **Pathological** (``--pathological``): runs of 250K and 1M ``a``, ``-``, spaces, newlines, digits through
@@ -279,22 +278,19 @@ def _repair_stream(s, deltas: list[str], n: int, pool, rng: random.Random, gap_m
 
 def mixed_once(path: Path, folder: Path, *, mode: str, size: int, n: int, base_chars: int, seed: int,
                nice: int = 5) -> dict:
-    """One mixed-load run. ``mode``: ``idle`` (no encodes), ``fifo`` (chunks and repairs on a FIFO pool),
-    ``priority`` (shipped settings: repairs on a priority pool with an express thread, encodes by the batch
-    path where it applies) or ``priority_pool`` (the same pool, every encode's chunks on it)."""
+    """One mixed-load run. ``mode``: ``idle`` (no encodes), ``fifo`` (chunks and repairs on a FIFO pool) or
+    ``priority`` (shipped settings: chunks and repairs on a priority pool with an express thread)."""
     import tokenizers
 
     import toktier_backend as tt
     from toktier_backend.parallel import CpuPool
 
     # fifo: the plain FIFO pool (one worker per core); priority: the shared pool as a toktier_session
-    # process configures it (repairs first, one express thread, general workers at nice +5)
+    # process configures it (repairs first, one express thread, general workers at nice +5, pinned on chunks)
     pool = (CpuPool(fifo=True, name="bench-fifo") if mode == "fifo" else
-            CpuPool(express=1, nice=nice, name=f"bench-{mode}"))
+            CpuPool(express=1, nice=nice, pin=True, name=f"bench-{mode}"))
     tok = tt.load_tokenizer(path)
     tok.chunked.pool = pool
-    if mode in ("fifo", "priority_pool"):  # chunks through the pool: the queue a repair can wait in
-        tok.chunked.batch_min_chars = 1 << 62
     tok.prefix_index = None  # scheduling only: no prefix reuse, no background indexer
     texts = sample_texts(size, 3, folder)
     base = session_base(base_chars, folder)
@@ -501,15 +497,16 @@ def run_tune(args, shared: Path, folder: Path, results: dict) -> None:
         tok.prefix_index = None
         print(f"\n=== tune: {name} (p50 ms over {args.samples} samples; chunked = ChunkedEncoder.encode_body)", flush=True)
         out[name] = {}
-        for size in (65536, 131072, 262144, 524288, 1_000_000, 4_000_000):
+        for size in (500_000, 1_000_000, 1_500_000, 2_000_000, 4_000_000):
             texts = sample_texts(size, args.samples, folder)
-            row = {"whole": A.percentile([timed(lambda: tok.encode_body(t))[0] for t in texts], 50)}
-            for cc in (16384, 32768, 65536, 131072, 262144, 524288):
-                if cc >= size:
+            row = {"whole": A.percentile([timed(lambda t=A.fresh_str(t): tok.encode_body(t))[0] for t in texts], 50)}
+            for cc in (None, 262144, 524288, 1048576):  # None: one chunk per pool worker (the default)
+                if cc is not None and cc >= size:
                     continue
                 enc = ChunkedEncoder(tok, chunk_chars=cc, min_chars=0)
                 enc.encode_body(texts[0])
-                row[f"chunk {cc // 1024}K"] = A.percentile([timed(lambda: enc.encode_body(t))[0] for t in texts], 50)
+                label = "per worker" if cc is None else f"chunk {cc // 1024}K"
+                row[label] = A.percentile([timed(lambda t=A.fresh_str(t): enc.encode_body(t))[0] for t in texts], 50)
             out[name][str(size)] = row
             print(f"  {size:>9,}  " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     results["tune"] = out
@@ -533,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-size", type=int, default=4_000_000, help="chars of each fresh encode")
     p.add_argument("--mixed-repairs", type=int, default=400)
     p.add_argument("--mixed-base", type=int, default=100_000, help="chars of the repaired session")
-    p.add_argument("--mixed-modes", default="idle,fifo,priority,fifo,priority,priority_pool",
+    p.add_argument("--mixed-modes", default="idle,fifo,priority,fifo,priority",
                    help="runs in this order (each pool mode twice by default: the machine's load drifts)")
     p.add_argument("--mixed-nice", type=int, default=5, help="nice of the shared pool's general workers (priority)")
     p.add_argument("--switch-interval", type=float, default=None,

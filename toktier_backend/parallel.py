@@ -2,7 +2,7 @@
 
 **Chunked encode.** A request with no session state (first turn, rebuild after eviction or restart, a
 stateless caller) carries the whole text. :class:`ChunkedEncoder` splits it at stable cuts about
-``chunk_chars`` apart (``CutFinder.last_cut`` near each grid point: the family predicates of
+:meth:`~ChunkedEncoder.step` chars apart (``CutFinder.last_cut`` near each grid point: the family predicates of
 ``pipeline/cuts``), encodes every chunk on its own on the shared pool, and concatenates the body ids. By
 the definition of a stable cut (``finder.py``)::
 
@@ -24,30 +24,31 @@ rejects lone surrogates and feeds the guard check); the rest of a chunk runs GIL
 GIL-free encode (HF ``tokenizers`` holds the GIL in ``encode``) are not chunked: threads would only take
 turns.
 
+**How a chunked encode runs.** One chunk per pool worker (:meth:`ChunkedEncoder.step`; at most
+:data:`CHUNK_CHARS` each). The calling thread converts the chunks to UTF-8 one after another and queues each
+as soon as it is converted (a generator consumed by :meth:`CpuPool.map`); the workers run the guard check
+and the engine, GIL-free, pinned to distinct CPUs while they do (``CpuPool(pin=...)``). The caller never
+encodes a chunk itself: the scheduler stacked a caller that did on the worker's core in most runs.
+
 **gigatoken's own parallel path, and which is kept.** gigatoken's ``encode_batch(parallel=True)`` *does*
 parallelize: it encodes a list of documents on its Rust thread pool (rayon, one thread per core) with the
-GIL released once, grouping consecutive documents into work units of at least 2 MiB and splitting a single
-document larger than that at its own "pretoken-safe" boundaries. We measured both (issue #4 asks for it):
-chunks on our pool vs all our chunks (cut at our stable cuts, ~512K chars each, below gigatoken's unit, so
-gigatoken only groups them and never cuts inside one) in one ``GigatokenEngine.encode_many`` call. The
-batch call was faster at 2M, 3M and 4M chars in the same runs (:data:`BATCH_MIN_CHARS`: 4M chars, qwen3,
-loaded machine, 21.2 vs 24.2 ms; the pool path pays one GIL hand-off per chunk start and end and keeps a
-word cache per Rust object, each seeing a fraction of the text), so **texts from BATCH_MIN_CHARS up take
-the batch path**; engines without ``encode_many``, and 1M-2M-char texts, keep the pool path. Each chunk is
-still encoded to UTF-8 once on the calling thread and guard-checked on its own: a chunk with a guarded code
-point is left out of the batch and encoded by the reference. The batch call runs outside the pool: session
-repairs on the pool's express thread never wait for it, they only share the cores with gigatoken's threads
-(``bench/full_encode.py --only mixed``, ``priority`` vs ``fifo``).
+GIL released once, grouping consecutive documents into work units of at least 2 MiB (two 2.0 MB documents
+make one unit, on one thread) and splitting a single larger document at its own "pretoken-safe"
+boundaries, which we have not proven. We measured it (issue #4 asks for it) with our chunks cut at our
+stable cuts (512K chars, 8 documents at 4M chars) against the pool path above, alternating on the same
+fresh texts, 2 cores, n=24: qwen3 4M chars 17.9 ms (batch) vs 12.9 (pool), llama3_1 15.2 vs 11.5, qwen3 2M
+10.8 vs 7.5 (the batch call ran on one thread there). The pool path is kept; the batch call was removed.
 
 **Which is faster, per size** (``bench/full_encode.py``, same run, 2 cores): the whole-text encode below
-:data:`MIN_CHARS` (1M chars: per-chunk overhead and GIL hand-offs eat the second core's gain), chunked
-above it; the measured tables are in ``bench/README.md``.
+:data:`MIN_CHARS` (per-chunk overhead, the workers' wake-up and a migration eat the second core's gain),
+chunked above it; the measured tables are in ``bench/README.md``.
 
 **The shared pool** (the Delta Tokenizer design): :class:`CpuPool` runs chunk tasks and session repairs
 from one queue with two priorities, on one worker thread per core plus an *express* thread that takes only
 repairs. A repair is short and goes to the head of the queue: it never waits behind the chunks of a long
 request (a plain FIFO pool makes it wait for all of them), and with the express thread it does not even
-wait for the running chunk to end (without it, at most one chunk: ``chunk_chars`` chars, ~2 ms). Serving
+wait for the running chunk to end (without it, at most one chunk: up to :data:`CHUNK_CHARS` chars, ~7 ms).
+Serving
 also lowers the general workers' OS priority (``nice``), so a running repair keeps a core while chunks
 wait. :meth:`CpuPool.stats` gives queue depth, tasks in flight, wait and run times for metrics.
 
@@ -67,7 +68,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
@@ -83,29 +84,29 @@ REPAIR = 0
 CHUNK = 1
 _PRIORITY_NAMES = {REPAIR: "repair", CHUNK: "chunk"}
 
-#: Target chunk size (chars). Two measurements on 2 cores (quiet machine, p50, 4M chars of agent text):
-#: ``--only tune`` (``ChunkedEncoder`` alone): qwen3 whole 20.4 ms, chunks of 16K/32K/64K/128K/256K/512K
-#: 30.1/21.9/17.9/14.0/16.1/13.1 ms; gpt2 whole 17.7, chunks 27.1/21.0/15.0/12.2/11.8/12.0 ms. In the
-#: fresh-encode run (``Tokenizer.encode``, after the other systems ran in the process), gpt2 128K/512K/1M/2M:
-#: 19.6/13.6/12.5/13.4 ms, qwen3 23.8/20.1/22.9/19.1 ms: every chunk costs GIL hand-offs between the
-#: workers. 512K keeps 4 chunks per worker at 4M chars for balance. A repair does not wait for a chunk on a
-#: pool with an express thread; without one it waits at most one chunk (~2 ms at 512K).
-CHUNK_CHARS = 512 * 1024
-#: Texts shorter than this (chars) are encoded whole, on the calling thread. Same run, 1M chars: qwen3 whole
-#: 5.4 ms vs best chunked 5.8 ms, gpt2 4.6 vs 4.2; at 512K whole wins (3.0 vs 3.4, 2.5 vs 2.8): per-chunk
-#: overhead and GIL hand-offs eat the second core's gain below ~1M chars.
-MIN_CHARS = 1024 * 1024
-#: Texts at least this long (chars) give all their chunks to the engine's own parallel batch encode
-#: (``encode_many``: gigatoken's Rust threads, one GIL release) instead of the pool. Same runs, qwen3, fresh
-#: texts, ``Tokenizer.encode``, 2 cores shared with another user's load (load average ~2.5), p50 of 10,
-#: batch vs pool: 4M chars 21.2 vs 24.2 ms, 3M 18.0 vs 20.9, 2M 13.9 vs 16.4 (identical ids). gigatoken
-#: puts at least 2 MiB in one work unit, so below ~4 MB the batch runs on fewer threads than cores; 1M-2M
-#: chars stay on the pool (not remeasured).
-BATCH_MIN_CHARS = 2 * 1024 * 1024
-#: How far before each multiple of ``chunk_chars`` to look for a stable cut (chars). Agent text has one
+#: Largest chunk (chars) when ``chunk_chars`` is not set: a text gets one chunk per pool worker, more only
+#: past this size. Measured (qwen3, 4M chars of agent text, 2 workers, alternating with the anchors on the
+#: same fresh texts, n=24, p50): 2 chunks 12.9 ms, 4 chunks of 1M 14.1, 8 of 512K 14.5, whole on one
+#: thread 17.9: each further chunk costs a wake-up, a GIL hand-off and a migration, and balance comes from
+#: equal halves. A repair never waits for a chunk on a pool with an express thread (the shared pool has
+#: one); without one it waits up to one chunk (~7 ms at 2M chars).
+CHUNK_CHARS = 2 * 1024 * 1024
+#: Texts shorter than this (chars) are encoded whole, on the calling thread. Same runs, whole vs two
+#: chunks: qwen3 500K 3.19 vs 3.86 ms, 1M 5.49 vs 5.82, 1.5M 7.91 vs 6.28, 2M 9.85 vs 7.46; gpt2 1M 4.45 vs
+#: 4.35, 1.5M 6.18 vs 5.42.
+MIN_CHARS = 1_250_000
+#: How far before each grid point (:meth:`ChunkedEncoder.step`) to look for a stable cut (chars). Agent text has one
 #: every few chars; a window with none (a 1M-char run of one letter, of spaces, of digits) merges two
 #: chunks, and the search stays O(chunks * SEARCH_CHARS) instead of O(len(text)) on text with no cut.
 SEARCH_CHARS = 1024
+
+
+def _allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (Linux ``sched_getaffinity``), ``[]`` where that is unknown."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return []
 
 
 def default_workers() -> int:
@@ -146,6 +147,13 @@ class CpuPool:
             to its express (repair) thread. Linux weighs a nice-0 thread ~3x a nice-5 one, ~9x a nice-10 one.
         name: thread name prefix.
         window: how many recent tasks per priority :meth:`stats` computes percentiles over.
+        pin: while a general worker runs a :data:`CHUNK` task, pin it to a CPU of its own (worker ``i`` to the
+            ``i``-th CPU this process may use, modulo their number; Linux ``sched_setaffinity`` on the thread),
+            and give it back the whole set after. Why: on this 2-core VM (Linux 6.18) the scheduler, waking
+            two chunk workers from a busy thread, put both on one core in most runs and kept them there for
+            most of a 4M-char encode (two 2M-char chunks: 17.5 ms p50 unpinned vs 13.4 ms pinned, the same
+            CPU time, n=24). Repairs are never pinned. Off where the process may use one CPU or there is no
+            ``sched_setaffinity``; an ``OSError`` (the allowed set changed) leaves the worker unpinned.
 
     Tasks run in priority order (:data:`REPAIR` before :data:`CHUNK`), FIFO within a priority. A task is
     never interrupted: without express threads, a repair submitted while every worker runs a chunk starts
@@ -155,7 +163,7 @@ class CpuPool:
     """
 
     def __init__(self, workers: int | None = None, *, express: int = 0, fifo: bool = False, nice: int = 0,
-                 name: str = "toktier-cpu", window: int = 4096):
+                 name: str = "toktier-cpu", window: int = 4096, pin: bool = False):
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers!r}")
         if express < 0:
@@ -165,6 +173,8 @@ class CpuPool:
         self.express = 0 if self.fifo else int(express)
         self.nice = int(nice)
         self.name = name
+        self._cpus = _allowed_cpus() if pin else []
+        self.pin = len(self._cpus) > 1 and self.workers > 1
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)  # general workers wait here
         self._cv_express = threading.Condition(self._lock)  # express threads wait here
@@ -223,8 +233,11 @@ class CpuPool:
             return fn(*args)
         return self.submit(fn, *args, priority=priority).result()
 
-    def map(self, fn: Callable[..., Any], items: list, *, priority: int = CHUNK) -> list:
+    def map(self, fn: Callable[..., Any], items: Iterable, *, priority: int = CHUNK) -> list:
         """``[fn(x) for x in items]``, run on the pool; results in order, first exception re-raised.
+
+        Each task is queued as soon as ``items`` yields its item, so a generator that prepares items on the
+        calling thread overlaps that work with the tasks already queued.
 
         A pool worker that calls this (a session repair whose text needs a full encode) runs its own
         not-yet-started tasks itself while it waits, so the pool cannot deadlock on nested waits.
@@ -243,8 +256,8 @@ class CpuPool:
     # -------------------------------------------------------------- running
     def _start_worker(self, express: bool = False) -> None:
         kind = "express" if express else "worker"
-        t = threading.Thread(target=self._worker, args=(express,), name=f"{self.name}-{kind}-{len(self._threads)}",
-                             daemon=True)
+        t = threading.Thread(target=self._worker, args=(express, len(self._threads)),
+                             name=f"{self.name}-{kind}-{len(self._threads)}", daemon=True)
         self._threads.append(t)
         t.start()
 
@@ -257,8 +270,9 @@ class CpuPool:
             self.in_flight += 1
             return True
 
-    def _worker(self, express: bool = False) -> None:
+    def _worker(self, express: bool = False, index: int = 0) -> None:
         self._local.worker = True
+        cpu = self._cpus[index % len(self._cpus)] if self.pin and not express else None
         if self.nice > 0 and not express:
             try:  # Linux: PRIO_PROCESS with a thread id sets that thread's nice value
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self.nice)
@@ -283,7 +297,28 @@ class CpuPool:
                         self._idle_express -= 1
                     else:
                         self._cv.wait()
+            if cpu is not None and task.priority == CHUNK:
+                cpu = self._run_pinned(task, cpu)
+            else:
+                self._run(task)
+
+    def _run_pinned(self, task: _Task, cpu: int) -> int | None:
+        """Run a chunk task pinned to ``cpu`` (see ``pin``); the CPU to pin to next time, ``None`` once
+        pinning failed (the worker then stays unpinned)."""
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError as e:
+            log.warning("pool %s: cannot pin a worker to CPU %d (%s); it runs unpinned", self.name, cpu, e)
             self._run(task)
+            return None
+        try:
+            self._run(task)
+        finally:
+            try:
+                os.sched_setaffinity(0, self._cpus)
+            except OSError:  # pragma: no cover - the allowed set shrank under us: take what is allowed now
+                os.sched_setaffinity(0, _allowed_cpus() or self._cpus)
+        return cpu
 
     def _run(self, task: _Task, helped: bool = False) -> None:
         start = time.perf_counter_ns()
@@ -362,22 +397,22 @@ _shared_lock = threading.Lock()
 
 
 def shared_pool() -> CpuPool:
-    """The process-wide pool (created on first use: :func:`default_workers` general workers and one express
-    thread for repairs, nice unchanged). Every :class:`ChunkedEncoder` without a pool of its own, and the
+    """The process-wide pool (created on first use: :func:`default_workers` general workers, pinned while they
+    run chunks, and one express thread for repairs, nice unchanged). Every :class:`ChunkedEncoder` without a pool of its own, and the
     serving handler, use it."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = CpuPool(express=1, name="toktier-shared")
+            _shared = CpuPool(express=1, name="toktier-shared", pin=True)
         return _shared
 
 
-def configure_shared_pool(workers: int | None = None, *, express: int = 1, nice: int = 0) -> CpuPool:
+def configure_shared_pool(workers: int | None = None, *, express: int = 1, nice: int = 0, pin: bool = True) -> CpuPool:
     """Replace the process-wide pool (a serving process sets its size, express threads and nice value at
     startup; see :class:`CpuPool`). The old pool, if any, finishes its queue in the background."""
     global _shared
     with _shared_lock:
-        old, _shared = _shared, CpuPool(workers, express=express, nice=nice, name="toktier-shared")
+        old, _shared = _shared, CpuPool(workers, express=express, nice=nice, name="toktier-shared", pin=pin)
     if old is not None:
         old.shutdown(wait=False)
     return _shared
@@ -392,28 +427,27 @@ class ChunkedEncoder:
     Args:
         tok: the tokenizer (its cut finder, admitted engine, guard set and reference).
         pool: the pool chunk tasks run on (default: :func:`shared_pool`, looked up per call).
-        chunk_chars: target chunk size (chars).
+        chunk_chars: fixed chunk size (chars); ``None`` (default): one chunk per pool worker, at most
+            :data:`CHUNK_CHARS` each (:meth:`step`).
         min_chars: texts shorter than this (chars) are not chunked.
-        search_chars: how far past each multiple of ``chunk_chars`` to search for a stable cut (chars).
+        search_chars: how far before each grid point to search for a stable cut (chars).
 
     Attributes:
         stats: counters: ``encodes`` (chunked encodes), ``chunks``, ``reference_chunks`` (a guarded code
             point or an engine error sent the chunk to the reference), ``engine_errors``.
     """
 
-    def __init__(self, tok: "Tokenizer", *, pool: CpuPool | None = None, chunk_chars: int = CHUNK_CHARS,
-                 min_chars: int = MIN_CHARS, search_chars: int = SEARCH_CHARS,
-                 batch_min_chars: int = BATCH_MIN_CHARS):
-        if chunk_chars < 1 or search_chars < 1:
+    def __init__(self, tok: "Tokenizer", *, pool: CpuPool | None = None, chunk_chars: int | None = None,
+                 min_chars: int = MIN_CHARS, search_chars: int = SEARCH_CHARS):
+        if (chunk_chars is not None and chunk_chars < 1) or search_chars < 1:
             raise ValueError(f"chunk_chars and search_chars must be >= 1, got {chunk_chars!r}, {search_chars!r}")
         self.tok = tok
         self._pool = pool
-        self.chunk_chars = int(chunk_chars)
+        self.chunk_chars = None if chunk_chars is None else int(chunk_chars)
         self.min_chars = int(min_chars)
         self.search_chars = int(search_chars)
-        self.batch_min_chars = int(batch_min_chars)
         self._prepared = False
-        self.stats = {"encodes": 0, "chunks": 0, "reference_chunks": 0, "engine_errors": 0, "batch_encodes": 0}
+        self.stats = {"encodes": 0, "chunks": 0, "reference_chunks": 0, "engine_errors": 0}
         self._stats_lock = threading.Lock()
 
     @property
@@ -445,15 +479,6 @@ class ChunkedEncoder:
         self.__dict__["_encode_set"] = fn
 
     @property
-    def _encode_many(self):
-        """The current engine's ``encode_many`` (one parallel call for many chunks), ``None`` if it has none."""
-        return self.__dict__.get("_encode_many_set") or getattr(self.tok.engine, "encode_many", None)
-
-    @_encode_many.setter
-    def _encode_many(self, fn) -> None:
-        self.__dict__["_encode_many_set"] = fn
-
-    @property
     def available(self) -> bool:
         """Can this tokenizer chunk at all? Needs a cut family and an engine with a GIL-free encode."""
         return self._encode is not None and self.tok.cuts.supported
@@ -462,19 +487,28 @@ class ChunkedEncoder:
         """Should ``text`` be chunked (long enough, and :attr:`available`)?"""
         return len(text) >= self.min_chars and self.available
 
+    def step(self, n: int) -> int:
+        """Grid step (chars) for a text of ``n`` chars: ``chunk_chars`` when set, else one chunk per pool
+        worker, at most :data:`CHUNK_CHARS` each: ``ceil(n / max(workers, ceil(n / CHUNK_CHARS)))``."""
+        if self.chunk_chars is not None:
+            return self.chunk_chars
+        chunks = max(self.pool.workers, -(-n // CHUNK_CHARS))
+        return max(1, -(-n // chunks))
+
     def bounds(self, text: str) -> list[int]:
         """Chunk boundaries ``[0, c1, ..., ck, len(text)]`` (chars, ascending).
 
         ``ci`` is the last stable cut (``CutFinder.last_cut``: the family predicates, proven in
-        ``pipeline/cuts``) in the ``search_chars`` chars up to the grid point ``i * chunk_chars``. A grid
+        ``pipeline/cuts``) in the ``search_chars`` chars up to the grid point ``i * step`` (:meth:`step`). A grid
         point with no cut that close adds no boundary (its neighbours' chunks merge), so the search costs
-        O(len(text) / chunk_chars * search_chars) even on text with no cut at all: 1M chars of one letter,
+        O(len(text) / step * search_chars) even on text with no cut at all: 1M chars of one letter,
         of spaces, of newlines (where, for Gemma 3, every char is a candidate that fails the predicate).
         """
         finder = self.tok.cuts
         n = len(text)
+        step = self.step(n)
         out = [0]
-        for g in range(self.chunk_chars, n, self.chunk_chars):
+        for g in range(step, n, step):
             c = finder.last_cut(text, max(out[-1] + 1, g - self.search_chars + 1), g, n)
             if c is not None:
                 out.append(c)
@@ -496,21 +530,14 @@ class ChunkedEncoder:
         spans = list(zip(b[:-1], b[1:]))
         if not self._prepared and len(spans) > 1:
             self.prepare()
-        batch = None
         if len(spans) == 1:  # no cut found: one chunk, on this thread
             parts = [self._encode_chunk(text, spans[0])]
-        elif self._encode_many is not None and len(text) >= self.batch_min_chars:
-            batch = self._encode_batch(text, spans)  # None: the engine failed; the pool path isolates the chunk
-        if batch is not None:
-            ids, refs = batch
-        else:
-            if len(spans) > 1:
-                parts = self.pool.map(lambda span: self._encode_chunk(text, span), spans, priority=CHUNK)
-            ids = np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
-            refs = sum(1 for _, ref in parts if ref)
+        else:  # a generator: each chunk is queued as soon as this thread has its UTF-8 (see _utf8_chunks)
+            parts = self.pool.map(self._encode_utf8, self._utf8_chunks(text, spans), priority=CHUNK)
+        ids = np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
+        refs = sum(1 for _, ref in parts if ref)
         with self._stats_lock:
             self.stats["encodes"] += 1
-            self.stats["batch_encodes"] += batch is not None
             self.stats["chunks"] += len(spans)
             self.stats["reference_chunks"] += refs
         name = self.tok.engine.name
@@ -532,46 +559,21 @@ class ChunkedEncoder:
         ids, ref = self._encode_chunk(text, (a, b))
         return ids, "hf" if ref else self.tok.engine.name
 
-    def _encode_batch(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int] | None:
-        """Body ids of ``text`` cut at ``spans``, the engine's chunks in one ``encode_many`` call (its own
-        threads, GIL released once), and how many chunks the reference encoded; ``None`` when the engine
-        raised (nothing is answered approximately: the caller reruns the chunks on the pool, where each
-        chunk that fails goes to the reference on its own).
+    @staticmethod
+    def _utf8_chunks(text: str, spans: list[tuple[int, int]]):
+        """Yield ``(chunk, chunk's UTF-8)`` for each span, converting on the calling thread.
 
-        Each chunk is encoded to UTF-8 once on this thread (that rejects lone surrogates and feeds the guard
-        check); a chunk with a guarded code point is left out of the batch and encoded by the reference.
+        Why here and not in the chunk tasks: the conversion holds the GIL (~0.6 ns/char), so the workers
+        would take turns at it anyway, and a worker that wakes up needs the GIL before it can start. Done
+        on the calling thread as a generator that ``CpuPool.map`` consumes, chunk ``i`` is queued (and a
+        worker starts on it, GIL-free in the engine) while this thread converts chunk ``i + 1``; the
+        caller's own thread never runs an engine call, so the engine work lands on the pool's threads,
+        which the scheduler keeps on separate cores (on this 2-core VM, a caller thread that encoded a
+        half itself shared one core with the worker in most runs: 18 ms vs 13 ms at 4M chars).
         """
-        adm = self.tok.admission
-        ascii_guarded = adm._ascii_guarded
-        datas: list[bytes] = []
-        engine_at: list[int] = []
-        ref_at: list[int] = []
-        for i, (a, b) in enumerate(spans):
+        for a, b in spans:
             chunk = text[a:b]
-            data = _utf8(chunk, a)
-            if (len(data) != len(chunk) or ascii_guarded) and adm.has_guarded_utf8(data):
-                ref_at.append(i)
-            else:
-                datas.append(data)
-                engine_at.append(i)
-        if datas:
-            try:
-                ids, offsets = self._encode_many(datas)
-            except Exception as e:  # never answer approximately
-                log.warning("engine %s failed on a batch of %d chunks (%s); chunks rerun one by one",
-                            self.tok.engine.name, len(datas), e)
-                with self._stats_lock:
-                    self.stats["engine_errors"] += 1
-                return None
-            if not ref_at:
-                return ids, 0
-        parts: list[np.ndarray] = [None] * len(spans)  # type: ignore[list-item]
-        for j, i in enumerate(engine_at):
-            parts[i] = ids[offsets[j]:offsets[j + 1]]
-        for i in ref_at:
-            a, b = spans[i]
-            parts[i] = self.tok._hf.encode(text[a:b])
-        return np.concatenate(parts), len(ref_at)
+            yield chunk, _utf8(chunk, a)
 
     def _encode_chunk(self, text: str, span: tuple[int, int]) -> tuple[np.ndarray, bool]:
         """Body ids of ``text[a:b]`` and whether the reference produced them.
@@ -582,7 +584,11 @@ class ChunkedEncoder:
         """
         a, b = span
         chunk = text[a:b]
-        data = _utf8(chunk, a)
+        return self._encode_utf8((chunk, _utf8(chunk, a)))
+
+    def _encode_utf8(self, item: tuple[str, bytes]) -> tuple[np.ndarray, bool]:
+        """Body ids of one chunk given as ``(chunk, its UTF-8)``, and whether the reference produced them."""
+        chunk, data = item
         adm = self.tok.admission
         guarded = (len(data) != len(chunk) or adm._ascii_guarded) and adm.has_guarded_utf8(data)
         if not guarded:
@@ -607,5 +613,5 @@ def _utf8(chunk: str, at: int) -> bytes:
         ) from None
 
 
-__all__ = ["BATCH_MIN_CHARS", "CHUNK", "CHUNK_CHARS", "MIN_CHARS", "REPAIR", "SEARCH_CHARS", "ChunkedEncoder", "CpuPool",
+__all__ = ["CHUNK", "CHUNK_CHARS", "MIN_CHARS", "REPAIR", "SEARCH_CHARS", "ChunkedEncoder", "CpuPool",
            "configure_shared_pool", "default_workers", "shared_pool"]

@@ -11,6 +11,7 @@ Chunk sizes are forced small (``chunk_chars`` 64..8K, ``min_chars=0``) so short 
 from __future__ import annotations
 
 import math
+import os
 import random
 import threading
 import time
@@ -32,26 +33,9 @@ def pool():
     p.shutdown()
 
 
-@pytest.fixture(params=["pool", "batch"])
-def path(request) -> str:
-    """Which chunked path the exactness tests take: chunks on the pool (``encode_nogil`` per chunk) or all
-    chunks in one engine batch call (``encode_many``: gigatoken's own threads); see ``parallel.py``."""
-    return request.param
-
-
-def make(tok, pool, path: str, **kw) -> ChunkedEncoder:
-    """A ChunkedEncoder forced onto ``path`` (``batch``: every chunked text, when the engine has
-    ``encode_many``; ``pool``: never)."""
-    return ChunkedEncoder(tok, pool=pool, batch_min_chars=0 if path == "batch" else 1 << 62, **kw)
-
-
-def took(enc: ChunkedEncoder, path: str) -> None:
-    """The encoder took ``path`` (the batch path needs an engine with ``encode_many`` and 2+ chunks)."""
-    batch, multi = enc.stats["batch_encodes"], enc.stats["chunks"] > enc.stats["encodes"]
-    if path == "batch" and hasattr(enc.tok.engine, "encode_many") and multi:
-        assert batch > 0, "no encode took the batch path"
-    elif path == "pool":
-        assert batch == 0, "an encode took the batch path"
+def make(tok, pool, **kw) -> ChunkedEncoder:
+    """A ChunkedEncoder on the test pool."""
+    return ChunkedEncoder(tok, pool=pool, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -132,53 +116,48 @@ def edge_text(name: str, step: int) -> str:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_real_trajectories(name, pool, path, corpus_text):
+def test_real_trajectories(name, pool, corpus_text):
     tok = load(name)
     for cc in (1000, 8192):
-        enc = make(tok, pool, path, chunk_chars=cc, min_chars=0)
+        enc = make(tok, pool, chunk_chars=cc, min_chars=0)
         _, engine = check(name, enc, corpus_text, min_chunks=len(corpus_text) // cc // 2)
         assert engine == tok.engine.name  # the corpus holds no guarded code point
-        took(enc, path)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_trap_texts(name, pool, path):
+def test_trap_texts(name, pool):
     tok = load(name)
     rng = random.Random(f"trap-{name}")
     for cc in (64, 257, 1000, 4096):
-        enc = make(tok, pool, path, chunk_chars=cc, min_chars=0, search_chars=rng.choice([64, 1024]))
+        enc = make(tok, pool, chunk_chars=cc, min_chars=0, search_chars=rng.choice([64, 1024]))
         check(name, enc, trap_text(name, rng))
-        took(enc, path)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_added_tokens_at_chunk_edges(name, pool, path):
+def test_added_tokens_at_chunk_edges(name, pool):
     tok = load(name)
     for cc in (97, 500):
-        enc = make(tok, pool, path, chunk_chars=cc, min_chars=0, search_chars=cc)
+        enc = make(tok, pool, chunk_chars=cc, min_chars=0, search_chars=cc)
         check(name, enc, edge_text(name, cc), min_chunks=2)
-        took(enc, path)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_chunk_count_1_to_16(name, pool, path, corpus_text):
+def test_every_chunk_count_1_to_16(name, pool, corpus_text):
     tok = load(name)
     text = corpus_text[:40_000]
     want = hf_ids(name, text)
     for k in range(1, 17):
-        enc = make(tok, pool, path, chunk_chars=math.ceil(len(text) / k), min_chars=0)
+        enc = make(tok, pool, chunk_chars=math.ceil(len(text) / k), min_chars=0)
         assert len(enc.bounds(text)) - 1 == k, f"{name}: {k} chunks wanted"
         ids, _ = enc.encode_body(text)
         assert ids.tolist() == want, f"{name}: {k} chunks"
-        took(enc, path)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_public_api_and_session_full_route(name, pool, path, corpus_text, monkeypatch):
+def test_public_api_and_session_full_route(name, pool, corpus_text, monkeypatch):
     """``Tokenizer.encode`` (post-processor applied once, to the whole text) and a session's full encode
     take the chunked path when the text is long enough."""
     tok = load(name)
-    monkeypatch.setattr(tok.chunked, "batch_min_chars", 0 if path == "batch" else 1 << 62)
     monkeypatch.setattr(tok.chunked, "min_chars", 1)
     monkeypatch.setattr(tok.chunked, "chunk_chars", 2000)
     monkeypatch.setattr(tok.chunked, "_pool", pool)
@@ -194,64 +173,21 @@ def test_public_api_and_session_full_route(name, pool, path, corpus_text, monkey
 
 # gemma3 is left out: gigatoken agrees with HF on every code point there (its guard set is empty).
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "gemma3"])
-def test_guarded_chunk_goes_to_reference_alone(name, pool, path, corpus_text):
+def test_guarded_chunk_goes_to_reference_alone(name, pool, corpus_text):
     tok = load(name)
     assert tok.admission.guarded, f"{name}: expected a non-empty guard set for {tok.engine.name}"
     cp = chr(tok.admission.guarded[len(tok.admission.guarded) // 2])
     text = corpus_text[:20_000]
     text = text[:10_000] + f" x{cp}y " + text[10_000:]
-    enc = make(tok, pool, path, chunk_chars=2000, min_chars=0)
+    enc = make(tok, pool, chunk_chars=2000, min_chars=0)
     _, engine = check(name, enc, text, min_chunks=8)
     assert engine == f"{tok.engine.name}+hf"
     assert enc.stats["reference_chunks"] == 1 and enc.stats["chunks"] >= 8
-    took(enc, path)  # batch path: the guarded chunk left out of the engine's batch, encoded by the reference
-
-
-def test_batch_path_sends_guarded_chunks_to_reference_and_the_rest_in_one_call(pool, corpus_text, monkeypatch):
-    """Inside the batch path: chunks with a guarded code point (first, middle, last) never reach the
-    engine; every other chunk goes to ``encode_many`` in one call; the ids equal HF's."""
-    tok = load("qwen3")
-    g = tok.admission.guarded
-    cps = [chr(g[0]), chr(g[len(g) // 2]), chr(g[-1])]
-    base = corpus_text[:20_000]
-    text = f"{cps[0]} " + base[:10_000] + f" x{cps[1]}y " + base[10_000:] + f" {cps[2]}"
-    enc = make(tok, pool, "batch", chunk_chars=2000, min_chars=0)
-    calls: list[list[bytes]] = []
-    real = tok.engine.encode_many
-
-    def spy(datas):
-        calls.append(list(datas))
-        return real(datas)
-
-    monkeypatch.setattr(enc, "_encode_many", spy)
-    _, engine = check("qwen3", enc, text, min_chunks=8)
-    assert engine == "gigatoken+hf"
-    assert len(calls) == 1 and enc.stats["batch_encodes"] == 1
-    assert enc.stats["reference_chunks"] == 3 and len(calls[0]) == enc.stats["chunks"] - 3
-    assert not any(c.encode() in d for d in calls[0] for c in cps)
-    # every chunk guarded: nothing to the engine, all from the reference
-    only = "".join(f"{cps[1]}word{i} " for i in range(2000))
-    enc2 = make(tok, pool, "batch", chunk_chars=2000, min_chars=0)
-    monkeypatch.setattr(enc2, "_encode_many", spy)
-    _, engine = check("qwen3", enc2, only, min_chunks=4)
-    assert engine == "hf" and len(calls) == 1
-
-
-def test_batch_engine_error_reruns_chunks_on_the_pool(pool, corpus_text, monkeypatch):
-    tok = load("qwen3")
-    enc = make(tok, pool, "batch", chunk_chars=2000, min_chars=0)
-
-    def boom(datas):
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(enc, "_encode_many", boom)
-    _, engine = check("qwen3", enc, corpus_text[:20_000], min_chunks=8)
-    assert engine == "gigatoken" and enc.stats["engine_errors"] == 1 and enc.stats["batch_encodes"] == 0
 
 
 def test_engine_error_sends_only_that_chunk_to_reference(pool, corpus_text, monkeypatch):
     tok = load("qwen3")
-    enc = make(tok, pool, "pool", chunk_chars=2000, min_chars=0)
+    enc = make(tok, pool, chunk_chars=2000, min_chars=0)
     real = enc._encode
 
     text = corpus_text[:20_000]
@@ -269,9 +205,9 @@ def test_engine_error_sends_only_that_chunk_to_reference(pool, corpus_text, monk
     assert enc.stats["engine_errors"] == enc.stats["reference_chunks"] == 1
 
 
-def test_lone_surrogate_names_its_index(pool, path):
+def test_lone_surrogate_names_its_index(pool):
     tok = load("gpt2")
-    enc = make(tok, pool, path, chunk_chars=100, min_chars=0)
+    enc = make(tok, pool, chunk_chars=100, min_chars=0)
     text = "word " * 200 + "\ud800" + " more" * 10
     with pytest.raises(tt.InvalidRequest, match="at char 1000"):
         enc.encode_body(text)
@@ -287,16 +223,15 @@ def test_not_chunked_without_gil_free_engine_or_cut_family():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_pathological_runs(name, pool, path):
+def test_pathological_runs(name, pool):
     """60K-char runs with no stable cut: exact through full encodes and through sessions (append to a
     run: every widening finds no cut, then a full encode). 1M chars and the 250K-vs-1M scaling are in
     ``bench/full_encode.py --pathological``."""
     tok = load(name)
-    enc = make(tok, pool, path, chunk_chars=4096, min_chars=0)
+    enc = make(tok, pool, chunk_chars=4096, min_chars=0)
     for ch in ("a", "-", " ", "\n", "7"):
         text = ch * 60_000
         ids, _ = check(name, enc, text)
-        took(enc, path)
         s = tok.session(add_special_tokens=False)
         assert s.update(text).tolist() == ids.tolist()
         assert s.append(ch).tolist() == hf_ids(name, text + ch), f"{name}: append to a {ch!r} run"
@@ -383,8 +318,7 @@ def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, expres
     gigatoken; the bound is loose for a loaded CI machine)."""
     tok = load("qwen3")
     p = CpuPool(2, express=express, name="test-delta")
-    # the pool path (3M chars would take the batch path, which leaves the pool to repairs alone)
-    enc = make(tok, p, "pool", chunk_chars=20_000, min_chars=0)
+    enc = make(tok, p, chunk_chars=20_000, min_chars=0)
     text = corpus.long_session_text(3_000_000)
     n_chunks = len(enc.bounds(text)) - 1
     assert n_chunks >= 100
@@ -428,6 +362,47 @@ def test_pool_nice_lowers_only_worker_threads():
     assert worker_nice == min(19, base + 5)
     assert os.getpriority(os.PRIO_PROCESS, 0) == base
     p.shutdown()
+
+
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2,
+                    reason="pinning needs sched_getaffinity and 2+ CPUs")
+def test_pin_holds_chunk_workers_on_distinct_cpus_only_while_they_run_chunks():
+    cpus = sorted(os.sched_getaffinity(0))
+    p = CpuPool(2, express=1, pin=True, name="test-pin")
+    assert p.pin
+    seen: dict[str, set[int]] = {}
+    barrier = threading.Barrier(2)
+
+    def chunk_task(_):
+        barrier.wait(timeout=10)  # both workers hold a chunk at once
+        seen[threading.current_thread().name] = os.sched_getaffinity(0)
+        return True
+
+    p.map(chunk_task, [0, 1], priority=CHUNK)
+    assert sorted(seen.values(), key=min) == [{cpus[0]}, {cpus[1]}]  # one CPU each, distinct
+    # a repair is never pinned (the express thread, or a general worker); after a chunk, the whole set again
+    for _ in range(4):
+        assert p.call(lambda: os.sched_getaffinity(0), priority=REPAIR) == set(cpus)
+    assert os.sched_getaffinity(0) == set(cpus)  # the caller's own affinity is untouched
+    p.shutdown()
+    assert not CpuPool(2).pin and not CpuPool(1, pin=True).pin
+
+
+def test_default_step_is_one_chunk_per_worker_up_to_chunk_chars():
+    tok = load("gpt2")
+    for workers in (1, 2, 3):
+        p = CpuPool(workers, name="test-step")
+        enc = ChunkedEncoder(tok, pool=p)
+        assert enc.step(2_000_000) == -(-2_000_000 // workers)  # <= CHUNK_CHARS: one chunk per worker
+        n = 5 * parallel.CHUNK_CHARS + 1  # more chunks than workers past CHUNK_CHARS each
+        assert enc.step(n) == -(-n // max(workers, 6))
+        assert ChunkedEncoder(tok, pool=p, chunk_chars=777).step(10**6) == 777
+        p.shutdown()
+    text = corpus.long_session_text(300_000)
+    enc = ChunkedEncoder(tok, pool=CpuPool(3, name="test-step3"), min_chars=0)
+    assert len(enc.bounds(text)) - 1 == 3
+    assert enc.encode_body(text)[0].tolist() == hf_ids("gpt2", text)
+    enc.pool.shutdown()
 
 
 def test_handler_runs_sessions_and_chunks_on_its_pool(corpus_text):

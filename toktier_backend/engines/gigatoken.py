@@ -9,7 +9,6 @@ import numpy as np
 
 try:
     import gigatoken as _gigatoken
-    from gigatoken._parallel import resolve_parallel as _resolve_parallel
 except ImportError as e:  # pragma: no cover - exercised when the optional engine is absent
     _gigatoken = None
     _IMPORT_ERROR = e
@@ -43,10 +42,6 @@ class GigatokenEngine:
         self._free = [self._backend]
         self._backends = 1
         self._lock = threading.Lock()
-        # encode_many's own Rust object (loaded on first use or by reserve): never checked out by encode, so a
-        # 4M-char batch call never holds up a session repair's encode on the same object (gigatoken
-        # serializes calls on one object), and its word cache sees only full encodes.
-        self._many = None
 
     @property
     def backends(self) -> int:
@@ -61,8 +56,6 @@ class GigatokenEngine:
             while self._backends < min(n, MAX_BACKENDS):
                 self._free.append(_gigatoken.Tokenizer(self._path).backend)
                 self._backends += 1
-            if self._many is None:
-                self._many = _gigatoken.Tokenizer(self._path).backend
 
     def encode(self, text: str | bytes) -> np.ndarray:
         """Body ids of ``text`` (a ``str`` or its UTF-8 ``bytes``), with the GIL released while Rust runs.
@@ -94,40 +87,6 @@ class GigatokenEngine:
             if not shared:
                 self._free.append(backend)
         return rows[0].view(np.int32)
-
-    def encode_many(self, datas: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """Body ids of several texts (UTF-8 ``bytes`` each) in one call, encoded in parallel by gigatoken's
-        own Rust threads (``encode_batch(parallel=True)``: rayon's global pool, one thread per core) with the
-        GIL released once for the whole call.
-
-        gigatoken groups consecutive documents into work units of at least ``MIN_CHUNK_BYTES`` (2 MiB in
-        0.10.0, measured: a 2.1 MB document runs on one Rust thread, 8 documents of 525 KB on two, 4 per
-        thread) and splits a *single* document larger than that at its own "pretoken-safe" boundaries.
-        ``ChunkedEncoder`` passes documents of ~512K chars cut at our proven stable cuts, smaller than a work
-        unit, so gigatoken only groups them and never cuts inside one: the result is the concatenation of
-        the documents' own encodes, as with :meth:`encode`.
-
-        Returns:
-            ``(ids, offsets)``: ``ids`` is ``np.ndarray[int32] (total,)``, the documents' ids one after
-            another (a view of gigatoken's flat ``uint32`` buffer: no padding, no copy); document ``i`` is
-            ``ids[offsets[i]:offsets[i + 1]]`` (``offsets``: ``np.ndarray[int64] (len(datas) + 1,)``).
-        """
-        many = self._many
-        if many is None:
-            self.reserve(1)
-            many = self._many
-        # gigatoken's own rule: its thread pool, except in a multiprocessing worker or a forked child (rayon's
-        # threads do not survive a fork: a forked child would wait on them forever); output identical
-        layout = many.encode_batch(datas, parallel=_resolve_parallel(None)).layout  # awkward ListOffsetArray
-        offsets = np.asarray(layout.offsets.data, dtype=np.int64)
-        ids = np.asarray(layout.content.data)
-        if len(offsets) != len(datas) + 1 or ids.dtype != np.uint32:
-            raise RuntimeError(f"gigatoken encode_batch: unexpected layout {type(layout).__name__} "
-                               f"({len(offsets)} offsets for {len(datas)} documents, {ids.dtype})")
-        if offsets[0] != 0 or offsets[-1] != len(ids):
-            ids = ids[offsets[0]:offsets[-1]]
-            offsets = offsets - offsets[0]
-        return ids.view(np.int32), offsets
 
     #: The pool's name for a GIL-free encode (``toktier_backend.parallel`` chunks only engines that have one).
     encode_nogil = encode

@@ -145,8 +145,9 @@ class Handler:
         ``tokenizer``, ``tokenizer_sha256``, ``engine``, ``max_text_bytes``, ``session_budget_bytes``,
         ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``;
         the CPU pool's ``pool_workers`` (0 = one per core), ``pool_express`` (threads that run only session
-        repairs), ``pool_nice`` (added to the general workers' nice value),
-        ``chunk_chars`` and ``parallel_min_chars`` (chunked full encode, chars; see ``toktier_backend.parallel``);
+        repairs), ``pool_nice`` (added to the general workers' nice value), ``pool_pin`` (1: pin chunk workers),
+        ``chunk_chars`` (0 = one chunk per pool worker) and ``parallel_min_chars`` (chunked full encode, chars;
+        see ``toktier_backend.parallel``);
         for a ``toktier_encode`` instance of kind ``"GPU"``: ``gpu_engine`` (``"auto"``: GPU engine on
         ``device_id`` when it loads and passes the canary, else the CPU; ``"off"``), ``gpu_crossover_chars``
         (texts of at least this many chars go to the GPU) and ``gpu_max_queue`` (see ``gpu/routing.py``).
@@ -170,7 +171,7 @@ class Handler:
                 raise ValueError(f"model parameter {key}={raw!r} is not a valid {kind.__name__}") from None
 
         pool = parallel.configure_shared_pool(num("pool_workers", "0") or None, express=num("pool_express", "1"),
-                                              nice=num("pool_nice", "0"))
+                                              nice=num("pool_nice", "0"), pin=num("pool_pin", "1") != 0)
         handler = cls.from_spec(
             params.get("tokenizer", "default"),
             sha256=(params.get("tokenizer_sha256") or "").strip() or None,
@@ -182,7 +183,7 @@ class Handler:
         )
         chunked = getattr(handler.tokenizer, "chunked", None)
         if chunked is not None:
-            chunked.chunk_chars = max(1, num("chunk_chars", str(parallel.CHUNK_CHARS)))
+            chunked.chunk_chars = num("chunk_chars", "0") or None  # 0: one chunk per pool worker
             chunked.min_chars = num("parallel_min_chars", str(parallel.MIN_CHARS))
         from toktier_backend.pipeline.verifier import Verifier
         from toktier_backend.serving.metrics import get_metrics
