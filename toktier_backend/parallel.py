@@ -29,6 +29,10 @@ turns.
 as soon as it is converted (a generator consumed by :meth:`CpuPool.map`); the workers run the guard check
 and the engine, GIL-free, pinned to distinct CPUs while they do (``CpuPool(pin=...)``). The caller never
 encodes a chunk itself: the scheduler stacked a caller that did on the worker's core in most runs.
+Tried and dropped (same alternating runs, n=24): making the caller wait until a worker has started chunk
+``i`` before converting chunk ``i + 1`` (so the conversion overlaps the encode), with the first chunk
+larger to balance: qwen3 4M 14.8 vs 12.8 ms, gpt2 14.3 vs 11.6 (the woken worker pinned itself to the
+caller's core, and the caller then shared it).
 
 **gigatoken's own parallel path, and which is kept.** gigatoken's ``encode_batch(parallel=True)`` *does*
 parallelize: it encodes a list of documents on its Rust thread pool (rayon, one thread per core) with the
@@ -153,7 +157,10 @@ class CpuPool:
             two chunk workers from a busy thread, put both on one core in most runs and kept them there for
             most of a 4M-char encode (two 2M-char chunks: 17.5 ms p50 unpinned vs 13.4 ms pinned, the same
             CPU time, n=24). Repairs are never pinned. Off where the process may use one CPU or there is no
-            ``sched_setaffinity``; an ``OSError`` (the allowed set changed) leaves the worker unpinned.
+            ``sched_setaffinity``; an ``OSError`` (the allowed set changed) leaves the worker unpinned. A
+            thread started inside a pinned task inherits the pin, so chunk tasks must start none (gigatoken's
+            ``encode_batch_padded(parallel=False)`` starts none; a Rust pool created lazily there, as
+            fastokens' is, would stay on one CPU).
 
     Tasks run in priority order (:data:`REPAIR` before :data:`CHUNK`), FIFO within a priority. A task is
     never interrupted: without express threads, a repair submitted while every worker runs a chunk starts
