@@ -52,9 +52,8 @@ from one queue with two priorities, on one worker thread per core plus an *expre
 repairs. A repair is short and goes to the head of the queue: it never waits behind the chunks of a long
 request (a plain FIFO pool makes it wait for all of them), and with the express thread it does not even
 wait for the running chunk to end (without it, at most one chunk: up to :data:`CHUNK_CHARS` chars, ~7 ms).
-Serving
-also lowers the general workers' OS priority (``nice``), so a running repair keeps a core while chunks
-wait. :meth:`CpuPool.stats` gives queue depth, tasks in flight, wait and run times for metrics.
+Serving also lowers the general workers' OS priority (``nice``), so a running repair keeps a core while
+chunks wait. :meth:`CpuPool.stats` gives queue depth, tasks in flight, wait and run times for metrics.
 
 Across processes (each Triton Python-backend model instance is a process with its own pool), the pools
 cannot see each other: ``toktier_encode`` runs its chunk workers at a lower OS priority (``nice``, see
@@ -99,9 +98,10 @@ CHUNK_CHARS = 2 * 1024 * 1024
 #: chunks: qwen3 500K 3.19 vs 3.86 ms, 1M 5.49 vs 5.82, 1.5M 7.91 vs 6.28, 2M 9.85 vs 7.46; gpt2 1M 4.45 vs
 #: 4.35, 1.5M 6.18 vs 5.42.
 MIN_CHARS = 1_250_000
-#: How far before each grid point (:meth:`ChunkedEncoder.step`) to look for a stable cut (chars). Agent text has one
-#: every few chars; a window with none (a 1M-char run of one letter, of spaces, of digits) merges two
-#: chunks, and the search stays O(chunks * SEARCH_CHARS) instead of O(len(text)) on text with no cut.
+#: How far before each grid point (:meth:`ChunkedEncoder.step`) to look for a stable cut (chars). Agent
+#: text has one every few chars; a window with none (a 1M-char run of one letter, of spaces, of digits)
+#: merges two chunks, and the search stays O(chunks * SEARCH_CHARS) instead of O(len(text)) on text with
+#: no cut.
 SEARCH_CHARS = 1024
 
 
@@ -414,8 +414,9 @@ def shared_pool() -> CpuPool:
         return _shared
 
 
-def configure_shared_pool(workers: int | None = None, *, express: int = 1, nice: int = 0, pin: bool = True) -> CpuPool:
-    """Replace the process-wide pool (a serving process sets its size, express threads and nice value at
+def configure_shared_pool(workers: int | None = None, *, express: int = 1, nice: int = 0,
+                          pin: bool = True) -> CpuPool:
+    """Replace the process-wide pool (a serving process sets its size, express threads, nice value and pinning at
     startup; see :class:`CpuPool`). The old pool, if any, finishes its queue in the background."""
     global _shared
     with _shared_lock:
