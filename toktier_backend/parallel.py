@@ -48,12 +48,15 @@ fresh texts, 2 cores, n=24: qwen3 4M chars 17.9 ms (batch) vs 12.9 (pool), llama
 chunked above it; the measured tables are in ``bench/README.md``.
 
 **The shared pool** (the Delta Tokenizer design): :class:`CpuPool` runs chunk tasks and session repairs
-from one queue with two priorities, on one worker thread per core plus an *express* thread that takes only
-repairs. A repair is short and goes to the head of the queue: it never waits behind the chunks of a long
-request (a plain FIFO pool makes it wait for all of them), and with the express thread it does not even
-wait for the running chunk to end (without it, at most one chunk: up to :data:`CHUNK_CHARS` chars, ~7 ms).
-Serving also lowers the general workers' OS priority (``nice``), so a running repair keeps a core while
-chunks wait. :meth:`CpuPool.stats` gives queue depth, tasks in flight, wait and run times for metrics.
+with two priorities. A repair is short and never waits behind the chunks of a long request (a plain FIFO
+pool makes it wait for all of them): :meth:`CpuPool.call` runs it at once on the caller's own thread
+(counted in the pool's stats); one submitted with :meth:`CpuPool.submit` goes to the head of the queue and
+an *express* thread that takes only repairs. What a running repair still shares with a long encode is the
+GIL and the cores: the encode's UTF-8 conversion is done in pieces of :data:`PIECE_CHARS` and releases the
+GIL between pieces while :attr:`CpuPool.repairs_active` (mixed load, 2 cores, 4M-char encodes, 800
+repairs: repair p99 1.8 ms with it, 5.6 ms without; FIFO 13.4 ms), and the chunk workers run at a higher
+nice value in serving, so a running repair keeps a core. :meth:`CpuPool.stats` gives queue depth, tasks
+in flight, wait and run times for metrics.
 
 Across processes (each Triton Python-backend model instance is a process with its own pool), the pools
 cannot see each other: ``toktier_encode`` runs its chunk workers at a lower OS priority (``nice``, see
@@ -91,13 +94,16 @@ _PRIORITY_NAMES = {REPAIR: "repair", CHUNK: "chunk"}
 #: past this size. Measured (qwen3, 4M chars of agent text, 2 workers, alternating with the anchors on the
 #: same fresh texts, n=24, p50): 2 chunks 12.9 ms, 4 chunks of 1M 14.1, 8 of 512K 14.5, whole on one
 #: thread 17.9: each further chunk costs a wake-up, a GIL hand-off and a migration, and balance comes from
-#: equal halves. A repair never waits for a chunk on a pool with an express thread (the shared pool has
-#: one); without one it waits up to one chunk (~7 ms at 2M chars).
+#: equal halves. A repair never waits for a chunk (``CpuPool.call`` runs it on the caller's thread; a
+#: submitted one takes an express thread where the pool has one, else waits up to one chunk, ~7 ms).
 CHUNK_CHARS = 2 * 1024 * 1024
 #: Texts shorter than this (chars) are encoded whole, on the calling thread. Same runs, whole vs two
 #: chunks: qwen3 500K 3.19 vs 3.86 ms, 1M 5.49 vs 5.82, 1.5M 7.91 vs 6.28, 2M 9.85 vs 7.46; gpt2 1M 4.45 vs
 #: 4.35, 1.5M 6.18 vs 5.42.
 MIN_CHARS = 1_250_000
+#: Chunks are converted to UTF-8 in pieces of this many chars (~0.15 ms of C holding the GIL each); between
+#: pieces the converting thread releases the GIL while a repair is active (``ChunkedEncoder._utf8_chunks``).
+PIECE_CHARS = 256 * 1024
 #: How far before each grid point (:meth:`ChunkedEncoder.step`) to look for a stable cut (chars). Agent
 #: text has one every few chars; a window with none (a 1M-char run of one letter, of spaces, of digits)
 #: merges two chunks, and the search stays O(chunks * SEARCH_CHARS) instead of O(len(text)) on text with
@@ -140,15 +146,15 @@ class CpuPool:
     Args:
         workers: general worker threads (default :func:`default_workers`, one per core): they run every
             task, repairs first.
-        express: extra threads that run only repairs (default 0; the shared pool has 1). A repair then
-            starts at once instead of after the running chunk, and, with ``nice``, takes a core from the
-            chunk workers.
+        express: extra threads that run only submitted repairs (default 0; the shared pool has 1). A
+            submitted repair then starts at once instead of after the running chunk, and, with ``nice``,
+            takes a core from the chunk workers. (:meth:`call` runs a repair on the caller's thread.)
         fifo: ignore priorities, run tasks in submission order, no express threads: the plain FIFO pool the
             benchmark compares with.
         nice: raise the general workers' nice value by this much (Linux, per thread; 0 = unchanged; express
             threads keep the process's). ``toktier_encode`` sets 10 so its chunks yield the cores to
             ``toktier_session`` processes; the shared pool of a session process, 5, so its own chunks yield
-            to its express (repair) thread. Linux weighs a nice-0 thread ~3x a nice-5 one, ~9x a nice-10 one.
+            to its repairs. Linux weighs a nice-0 thread ~3x a nice-5 one, ~9x a nice-10 one.
         name: thread name prefix.
         window: how many recent tasks per priority :meth:`stats` computes percentiles over.
         pin: while a general worker runs a :data:`CHUNK` task, pin it to a CPU of its own (worker ``i`` to the
@@ -193,8 +199,9 @@ class CpuPool:
         self._local = threading.local()
         #: Tasks waiting in the queue, by priority name.
         self._queued = {REPAIR: 0, CHUNK: 0}
-        #: Tasks running now (on workers, or on a worker's behalf by a helping caller).
+        #: Tasks running now (on workers, or on a worker's behalf by a helping caller, or inline repairs).
         self.in_flight = 0
+        self._repairs_running = 0
         self.submitted = {REPAIR: 0, CHUNK: 0}
         self.completed = {REPAIR: 0, CHUNK: 0}
         self._wait_sum_ms = {REPAIR: 0.0, CHUNK: 0.0}
@@ -232,13 +239,43 @@ class CpuPool:
         return task
 
     def call(self, fn: Callable[..., Any], /, *args: Any, priority: int = REPAIR) -> Any:
-        """Run ``fn(*args)`` on the pool and return its result (re-raises its exception).
+        """Run ``fn(*args)`` for the caller and return its result (re-raises its exception).
 
-        Called from a pool worker, it runs inline: the caller already holds a worker.
+        A :data:`REPAIR` runs at once on the calling thread (not in a FIFO pool), counted in :meth:`stats`
+        with a wait of 0 and seen by :attr:`repairs_active` (chunk conversions yield the GIL to it): the
+        caller's thread is already running, and handing the repair to a pool thread cost a wake-up and two
+        GIL hand-offs (mixed load, 2 cores, 4M-char encodes: repair p50 0.45 -> 0.24 ms, p90 3.05 -> 0.57).
+        In a FIFO pool, and for :data:`CHUNK`, it is queued like :meth:`submit`. Called from a pool worker it
+        runs inline: the caller already holds a worker.
         """
         if self.in_worker():
             return fn(*args)
+        if priority == REPAIR and not self.fifo:
+            return self._run_inline(fn, args)
         return self.submit(fn, *args, priority=priority).result()
+
+    @property
+    def repairs_active(self) -> int:
+        """Repairs queued or running now (inline ones included). A chunked encode's UTF-8 conversion checks
+        it between pieces and releases the GIL while it is non-zero (``ChunkedEncoder``)."""
+        return self._queued[REPAIR] + self._repairs_running
+
+    def _run_inline(self, fn: Callable[..., Any], args: tuple) -> Any:
+        with self._cv:
+            self.submitted[REPAIR] += 1
+            self.in_flight += 1
+            self._repairs_running += 1
+        start = time.perf_counter_ns()
+        try:
+            return fn(*args)
+        finally:
+            run_ms = (time.perf_counter_ns() - start) / 1e6
+            with self._cv:
+                self.in_flight -= 1
+                self._repairs_running -= 1
+                self.completed[REPAIR] += 1
+                self._waits[REPAIR].append(0.0)  # (wait sum and max: unchanged by a wait of 0)
+                self._runs[REPAIR].append(run_ms)
 
     def map(self, fn: Callable[..., Any], items: Iterable, *, priority: int = CHUNK) -> list:
         """``[fn(x) for x in items]``, run on the pool; results in order, first exception re-raised.
@@ -275,6 +312,7 @@ class CpuPool:
             task.claimed = True
             self._queued[task.priority] -= 1
             self.in_flight += 1
+            self._repairs_running += task.priority == REPAIR
             return True
 
     def _worker(self, express: bool = False, index: int = 0) -> None:
@@ -295,6 +333,7 @@ class CpuPool:
                         task.claimed = True
                         self._queued[task.priority] -= 1
                         self.in_flight += 1
+                        self._repairs_running += task.priority == REPAIR
                         break
                     if self._closed and not self._heap:
                         return  # closed and drained
@@ -341,6 +380,7 @@ class CpuPool:
         with self._cv:
             self.in_flight -= 1
             p = task.priority
+            self._repairs_running -= p == REPAIR
             self.completed[p] += 1
             self._wait_sum_ms[p] += wait_ms
             self._wait_max_ms[p] = max(self._wait_max_ms[p], wait_ms)
@@ -541,7 +581,9 @@ class ChunkedEncoder:
         if len(spans) == 1:  # no cut found: one chunk, on this thread
             parts = [self._encode_chunk(text, spans[0])]
         else:  # a generator: each chunk is queued as soon as this thread has its UTF-8 (see _utf8_chunks)
-            parts = self.pool.map(self._encode_utf8, self._utf8_chunks(text, spans), priority=CHUNK)
+            pool = self.pool
+            parts = pool.map(lambda item: self._encode_utf8(item, text), self._utf8_chunks(text, spans, pool),
+                             priority=CHUNK)
         ids = np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
         refs = sum(1 for _, ref in parts if ref)
         with self._stats_lock:
@@ -567,9 +609,8 @@ class ChunkedEncoder:
         ids, ref = self._encode_chunk(text, (a, b))
         return ids, "hf" if ref else self.tok.engine.name
 
-    @staticmethod
-    def _utf8_chunks(text: str, spans: list[tuple[int, int]]):
-        """Yield ``(chunk, chunk's UTF-8)`` for each span, converting on the calling thread.
+    def _utf8_chunks(self, text: str, spans: list[tuple[int, int]], pool: CpuPool):
+        """Yield ``(a, b, UTF-8 of text[a:b])`` for each span, converting on the calling thread.
 
         Why here and not in the chunk tasks: the conversion holds the GIL (~0.6 ns/char), so the workers
         would take turns at it anyway, and a worker that wakes up needs the GIL before it can start. Done
@@ -578,10 +619,19 @@ class ChunkedEncoder:
         caller's own thread never runs an engine call, so the engine work lands on the pool's threads,
         which the scheduler keeps on separate cores (on this 2-core VM, a caller thread that encoded a
         half itself shared one core with the worker in most runs: 18 ms vs 13 ms at 4M chars).
+
+        Each chunk is converted in pieces of :data:`PIECE_CHARS` and, while the pool has a repair queued or
+        running (:attr:`CpuPool.repairs_active`), this thread sleeps 0 s between pieces, which releases the
+        GIL: one 2M-char conversion is ~1.5 ms of C that a repair's Python code would otherwise wait out
+        (mixed load, 2 cores: repair p99 3.5 ms without the release, 1.6 ms with it).
         """
         for a, b in spans:
-            chunk = text[a:b]
-            yield chunk, _utf8(chunk, a)
+            pieces = []
+            for x in range(a, b, PIECE_CHARS):
+                if pool.repairs_active:
+                    time.sleep(0)
+                pieces.append(_utf8(text[x:min(b, x + PIECE_CHARS)], x))
+            yield a, b, pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def _encode_chunk(self, text: str, span: tuple[int, int]) -> tuple[np.ndarray, bool]:
         """Body ids of ``text[a:b]`` and whether the reference produced them.
@@ -591,14 +641,14 @@ class ChunkedEncoder:
         otherwise convert the ``str`` itself, under the GIL: ~0.8 ns/char more).
         """
         a, b = span
-        chunk = text[a:b]
-        return self._encode_utf8((chunk, _utf8(chunk, a)))
+        return self._encode_utf8((a, b, _utf8(text[a:b], a)), text)
 
-    def _encode_utf8(self, item: tuple[str, bytes]) -> tuple[np.ndarray, bool]:
-        """Body ids of one chunk given as ``(chunk, its UTF-8)``, and whether the reference produced them."""
-        chunk, data = item
+    def _encode_utf8(self, item: tuple[int, int, bytes], text: str) -> tuple[np.ndarray, bool]:
+        """Body ids of the chunk ``text[a:b]`` given as ``(a, b, its UTF-8)``, and whether the reference
+        produced them."""
+        a, b, data = item
         adm = self.tok.admission
-        guarded = (len(data) != len(chunk) or adm._ascii_guarded) and adm.has_guarded_utf8(data)
+        guarded = (len(data) != b - a or adm._ascii_guarded) and adm.has_guarded_utf8(data)
         if not guarded:
             try:
                 return self._encode(data), False
@@ -606,7 +656,7 @@ class ChunkedEncoder:
                 log.warning("engine %s failed on a chunk (%s); reference used", self.tok.engine.name, e)
                 with self._stats_lock:
                     self.stats["engine_errors"] += 1
-        return self.tok._hf.encode(chunk), True
+        return self.tok._hf.encode(text[a:b]), True
 
 
 def _utf8(chunk: str, at: int) -> bytes:

@@ -215,6 +215,25 @@ def test_lone_surrogate_names_its_index(pool):
         tok.encode(text)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gpt2"])
+def test_chunks_converted_in_pieces_are_exact_and_surrogates_named(name, corpus_text, monkeypatch):
+    """Chunks longer than ``PIECE_CHARS`` are converted piece by piece (releasing the GIL between pieces
+    while a repair is active): same ids as HF, and a lone surrogate in a later piece names its index."""
+    monkeypatch.setattr(parallel, "PIECE_CHARS", 1000)
+    tok = load(name)
+    p = CpuPool(2, name="test-pieces")
+    enc = ChunkedEncoder(tok, pool=p, chunk_chars=7000, min_chars=0)
+    text = corpus_text[:30_000] + " caf\u00e9 \u4e2d\u6587 \U0001F600 " + corpus_text[30_000:40_000]
+    for active in (0, 1):
+        p._repairs_running = active  # as if a repair were running: sleep(0) between pieces
+        check(name, enc, text, min_chunks=5)
+    p._repairs_running = 0
+    bad = text[:12_345] + "\udc80" + text[12_345:]
+    with pytest.raises(tt.InvalidRequest, match="at char 12345"):
+        enc.encode_body(bad)
+    p.shutdown()
+
+
 def test_not_chunked_without_gil_free_engine_or_cut_family():
     hf_only = tt.load_tokenizer(tt.default_tokenizer_path(), engine="hf")
     assert not hf_only.chunked.available and not hf_only.chunked.wants("x " * 10**6)
@@ -271,7 +290,8 @@ def test_express_thread_runs_a_repair_while_every_worker_is_busy():
     chunk = p.submit(gate.wait, 10, priority=CHUNK)  # the only general worker is busy
     while p.in_flight == 0:
         time.sleep(0.001)
-    assert p.call(lambda: threading.current_thread().name, priority=REPAIR).startswith("test-express-express")
+    queued = p.submit(lambda: threading.current_thread().name, priority=REPAIR)  # a queued repair
+    assert queued.result(timeout=10).startswith("test-express-express")
     assert not chunk.done()
     with pytest.raises(TimeoutError):  # an express thread never takes a chunk
         p.submit(lambda: None, priority=CHUNK).result(timeout=0.2)
@@ -281,6 +301,32 @@ def test_express_thread_runs_a_repair_while_every_worker_is_busy():
     assert st["express"] == 1 and st["by_priority"]["repair"]["completed"] == 1
     assert CpuPool(1, express=1, fifo=True).express == 0  # the FIFO baseline has none
     p.shutdown()
+
+
+def test_call_runs_a_repair_on_the_callers_thread_and_counts_it():
+    """``CpuPool.call`` runs a repair inline (no hand-off to a pool thread), visible to ``repairs_active``
+    while it runs and in the stats after; a FIFO pool queues it like any task."""
+    p = CpuPool(1, express=1, name="test-inline")
+    seen = p.call(lambda: (threading.current_thread(), p.repairs_active, p.in_flight), priority=REPAIR)
+    assert seen == (threading.current_thread(), 1, 1)
+    assert p.repairs_active == 0 and p.in_flight == 0
+    st = p.stats()["by_priority"]["repair"]
+    assert st["submitted"] == st["completed"] == 1 and st["wait_ms_max"] == 0.0
+    with pytest.raises(KeyError):
+        p.call(lambda: {}["x"])
+    assert p.repairs_active == 0 and p.stats()["by_priority"]["repair"]["completed"] == 2
+    # a queued repair counts while it waits
+    gate = threading.Event()
+    p2 = CpuPool(1, fifo=True, name="test-inline-fifo")
+    blocker = p2.submit(gate.wait, 10)
+    while p2.in_flight == 0:
+        time.sleep(0.001)
+    fut = p2.submit(threading.current_thread, priority=REPAIR)
+    assert p2.repairs_active == 1
+    gate.set()
+    assert fut.result(timeout=10) is not threading.current_thread() and blocker.result(timeout=10)
+    assert p2.call(threading.current_thread, priority=REPAIR) is not threading.current_thread()  # FIFO: queued
+    p.shutdown(), p2.shutdown()
 
 
 def test_fifo_pool_ignores_priority():
@@ -302,8 +348,11 @@ def test_pool_errors_and_nested_map_do_not_deadlock():
     p = CpuPool(1, name="test-nested")
     with pytest.raises(ZeroDivisionError):
         p.call(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        p.submit(lambda: 1 / 0, priority=REPAIR).result(timeout=10)
     # a repair on the only worker that needs a chunked encode: it runs its own chunks
-    assert p.call(lambda: p.map(lambda x: x * x, list(range(20)))) == [x * x for x in range(20)]
+    nested = p.submit(lambda: p.map(lambda x: x * x, list(range(20))), priority=REPAIR)
+    assert nested.result(timeout=10) == [x * x for x in range(20)]
     with pytest.raises(ValueError):
         p.submit(print, priority=7)
     p.shutdown()
@@ -358,7 +407,7 @@ def test_pool_nice_lowers_only_worker_threads():
 
     p = CpuPool(1, nice=5, name="test-nice")
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    worker_nice = p.call(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    worker_nice = p.call(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), priority=CHUNK)
     assert worker_nice == min(19, base + 5)
     assert os.getpriority(os.PRIO_PROCESS, 0) == base
     p.shutdown()
@@ -382,7 +431,7 @@ def test_pin_holds_chunk_workers_on_distinct_cpus_only_while_they_run_chunks():
     assert sorted(seen.values(), key=min) == [{cpus[0]}, {cpus[1]}]  # one CPU each, distinct
     # a repair is never pinned (the express thread, or a general worker); after a chunk, the whole set again
     for _ in range(4):
-        assert p.call(lambda: os.sched_getaffinity(0), priority=REPAIR) == set(cpus)
+        assert p.submit(lambda: os.sched_getaffinity(0), priority=REPAIR).result(timeout=10) == set(cpus)
     assert os.sched_getaffinity(0) == set(cpus)  # the caller's own affinity is untouched
     p.shutdown()
     assert not CpuPool(2).pin and not CpuPool(1, pin=True).pin

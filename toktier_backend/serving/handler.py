@@ -291,7 +291,7 @@ class Handler:
                 self._sync()
                 if start and self.store.get(corr_id, touch=False) is not None:  # an idle one counts as idle
                     self.store.pop(corr_id, "start")
-                # on the pool at REPAIR priority: ahead of queued chunks of long encodes (parallel.py)
+                # at REPAIR priority: runs now on this thread, never behind chunks of long encodes (parallel.py)
                 out, entry, mode = self.pool.call(self._session_step, corr_id, text, mode, reply, add_special,
                                                   start, priority=parallel.REPAIR)
             except ToktierError as e:
