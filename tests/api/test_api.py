@@ -182,3 +182,28 @@ def test_canonical_reordering_around_newer_marks(name):
         s = tok.session()
         s.update("if value is None:\r\n")
         assert s.append(text).tolist() == ref.encode("if value is None:\r\n" + text).ids
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_guard_check_on_utf8_equals_the_check_on_str(name):
+    """``Admission.has_guarded_utf8`` (what chunks and tails use: non-ASCII bytes found eight at a time)
+    against ``has_guarded`` on the ``str`` (regex / UTF-32 scan), on random texts that mix ASCII, non-ASCII
+    of every UTF-8 length and the file's own guarded code points at every offset modulo 8."""
+    import random
+
+    from toktier_backend import admission
+
+    adm = load(name).admission
+    rng = random.Random(name)
+    guarded = [chr(c) for c in adm.guarded if not 0xD800 <= c < 0xE000]
+    alphabet = ["a", " ", "\n", "7", "é", "\u4e00", "\U0001F600", "\u0301"] + [
+        chr(c) for c in range(0x80, 0x3000, 97) if not 0xD800 <= c < 0xE000]
+    for i in range(2000):
+        chars = [rng.choice(alphabet) for _ in range(rng.randrange(0, 48))]
+        if guarded and i % 3 == 0:
+            chars.insert(rng.randrange(len(chars) + 1), rng.choice(guarded))
+        s = "".join(chars)
+        data = s.encode()
+        assert adm.has_guarded_utf8(data) == adm.has_guarded(s), (name, s)
+        u = np.frombuffer(data, dtype=np.uint8)
+        assert admission._non_ascii_at(u).tolist() == [k for k, b in enumerate(data) if b >= 0x80]

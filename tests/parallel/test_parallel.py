@@ -215,7 +215,7 @@ def test_lone_surrogate_names_its_index(pool):
         tok.encode(text)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gpt2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_chunks_converted_in_pieces_are_exact_and_surrogates_named(name, corpus_text, monkeypatch):
     """Chunks longer than ``PIECE_CHARS`` are converted piece by piece (releasing the GIL between pieces
     while a repair is active): same ids as HF, and a lone surrogate in a later piece names its index."""
