@@ -176,8 +176,9 @@ def load_spec(path: str | os.PathLike) -> TokenizerSpec:
     spec.byte_level = any(leaf.get("type") == "ByteLevel" for leaf in leaves)
     spec._normalizer_touches_ascii = _normalizer_touches_ascii(config.get("normalizer"))
     spec._normalizer_is_per_char = _normalizer_is_per_char(config.get("normalizer"))
-    spec._normalizer_is_nfc = [leaf.get("type") for leaf in _walk(config.get("normalizer"))] == ["NFC"]
-    spec.unicode_normalizer = any(leaf.get("type") in ("NFC", "NFD", "NFKC", "NFKD") for leaf in _walk(config.get("normalizer")))
+    norm_types = [leaf.get("type") for leaf in _walk(config.get("normalizer"))]
+    spec._normalizer_is_nfc = norm_types == ["NFC"]
+    spec.unicode_normalizer = any(t in ("NFC", "NFD", "NFKC", "NFKD") for t in norm_types)
     contents = sorted({a.content for a in added if a.content}, key=len, reverse=True)
     if contents:  # leftmost, longest first: Python's alternation tries in order
         spec._added_re = re.compile("|".join(map(re.escape, contents)))

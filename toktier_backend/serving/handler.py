@@ -72,9 +72,10 @@ class Handler:
         verifier: a shadow ``Verifier`` for this tokenizer (``None``: replies are not sampled).
         metrics: a ``serving.metrics.Metrics`` (``None``: nothing recorded).
         pool: the CPU pool (``toktier_backend.parallel.CpuPool``; ``None``: the process-wide
-            ``parallel.shared_pool()``). Session steps run on it at ``REPAIR`` priority and the tokenizer's
-            chunked full encodes at ``CHUNK`` priority, so a repair starts after at most one chunk of a long
-            encode, not after all of it; ``pool.stats()`` gives queue depth, tasks in flight, wait times.
+            ``parallel.shared_pool()``). Session steps go through ``pool.call`` at ``REPAIR`` priority (they
+            run at once on the calling thread, counted by the pool, and a long encode's conversion yields the
+            GIL to them) and the tokenizer's chunked full encodes run on its workers at ``CHUNK`` priority;
+            ``pool.stats()`` gives queue depth, tasks in flight, wait and run times.
         router: a ``gpu.routing.GpuRouter`` (a GPU model instance of ``toktier_encode``): the body of each
             stateless encode goes through ``router.encode`` (GPU above its crossover, else the CPU);
             ``None``: the tokenizer's own encode (a CPU instance).
