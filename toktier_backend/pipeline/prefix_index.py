@@ -172,18 +172,15 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, text: str) -> PrefixHit | None:
-        """The deepest indexed prefix of ``text`` that equals the text char for char, or ``None``
-        (:meth:`candidate`, then :meth:`confirm`)."""
-        cand = self.candidate(text)
-        return None if cand is None else self.confirm(text, cand[0])
+        """The deepest indexed prefix of ``text`` that equals the text char for char, or ``None`` (a miss).
+        Thread-safe.
 
-    def candidate(self, text: str) -> tuple[int, int] | None:
-        """``(window, cut)`` of the deepest grid window of ``text`` whose cut has an indexed node with the
-        same fingerprint, or ``None`` (counted as a miss): *not yet confirmed* (:meth:`confirm` decides whether
-        ``text[:cut]`` can be reused; a caller may start encoding ``text[cut:]`` meanwhile).
-
-        Indexed prefixes are prefix-closed (a node exists only under its parent), so the window is found
-        by binary search over windows: O(log(n/step)) cut computations, nothing of the prefix read.
+        Indexed prefixes are prefix-closed (a node exists only under its parent), so the deepest grid window
+        of ``text`` whose cut has an indexed node with the same fingerprint is found by binary search over
+        windows: O(log(n/step)) cut computations, nothing of the prefix read. That node's whole chain must
+        then equal ``text`` char for char (``str.startswith`` at each chunk's offset); if it does not (a
+        fingerprint collision, an evicted ancestor), windows below are tried one by one. A hit therefore
+        never rests on a digest or a fingerprint.
         """
         top = (len(text) - 1) // self.step
         with self._lock:
@@ -192,34 +189,27 @@ class PrefixIndex:
                 mid = (lo + hi) // 2
                 node = self._node_at(text, mid)
                 if node is not None:
-                    best, lo = (mid, node.end), mid + 1
+                    best, lo = (mid, node), mid + 1
                 else:
                     hi = mid - 1
-            if best is None:
-                self.misses += 1
-            return best
-
-    def confirm(self, text: str, window: int) -> PrefixHit | None:
-        """Confirm the node at grid window ``window`` of ``text`` (from :meth:`candidate`): its whole chain
-        must equal ``text`` char for char (``str.startswith`` at each chunk's offset). If it does not (a
-        fingerprint collision, an evicted ancestor), windows below are tried one by one. A hit therefore
-        never rests on a digest or a fingerprint. Thread-safe; returns ``None`` on a miss."""
-        with self._lock:
-            for i in range(window, 0, -1):
-                node = self._node_at(text, i)
-                if node is None:
-                    continue
-                chain = _chain(node)
-                if chain[0].start != 0 or not _same_text(text, chain):
-                    self.collisions += 1  # fingerprint (or orphaned chain) without the content: keep looking
-                    continue
-                now = self.clock()
-                for x in chain:  # root first: ancestors stay more recent than their leaves
-                    self._nodes.move_to_end(x.key)
-                    x.used = now
-                self.hits += 1
-                self.chars_reused += node.end
-                return PrefixHit(cut=node.end, parts=[x.ids for x in chain], node=node)
+            if best is not None:
+                window, node = best
+                for i in range(window, 0, -1):
+                    if i != window:
+                        node = self._node_at(text, i)
+                        if node is None:
+                            continue
+                    chain = _chain(node)
+                    if chain[0].start != 0 or not _same_text(text, chain):
+                        self.collisions += 1  # fingerprint (or orphaned chain) without the content: keep looking
+                        continue
+                    now = self.clock()
+                    for x in chain:  # root first: ancestors stay more recent than their leaves
+                        self._nodes.move_to_end(x.key)
+                        x.used = now
+                    self.hits += 1
+                    self.chars_reused += node.end
+                    return PrefixHit(cut=node.end, parts=[x.ids for x in chain], node=node)
             self.misses += 1
             return None
 
