@@ -179,21 +179,21 @@ def gpu_router_for(tokenizer, *, device_id: int = 0, crossover_chars: int = DEFA
     cpu = FreshCpuEngine(tokenizer)
     factory = engine_factory or _new_gpu_engine
     path = str(tokenizer.spec.path)
+
+    def cpu_only(status: str, what: str, reason: str, level: int) -> GpuRouter:
+        router = GpuRouter(cpu, None, crossover_chars=crossover_chars, max_queue=max_queue)
+        router.gpu_status, router.gpu_reason = status, reason
+        log.log(level, "GPU engine %s on device %d for %s (%s); this instance serves from the CPU engine",
+                what, device_id, path, reason)
+        return router
+
     try:
         gpu = factory(path, device_id)
     except Exception as e:  # no device, no numba, unsupported family, CUDA error: never fail the model load
-        router = GpuRouter(cpu, None, crossover_chars=crossover_chars, max_queue=max_queue)
-        router.gpu_status, router.gpu_reason = "unavailable", f"{type(e).__name__}: {e}"
-        log.warning("GPU engine unavailable on device %d for %s (%s); this instance serves from the CPU engine",
-                    device_id, path, router.gpu_reason)
-        return router
+        return cpu_only("unavailable", "unavailable", f"{type(e).__name__}: {e}", logging.WARNING)
     reason = run_canary(tokenizer.spec, gpu)
     if reason:
-        router = GpuRouter(cpu, None, crossover_chars=crossover_chars, max_queue=max_queue)
-        router.gpu_status, router.gpu_reason = "canary_failed", reason
-        log.error("GPU engine refused on device %d for %s: %s; this instance serves from the CPU engine",
-                  device_id, path, reason)
-        return router
+        return cpu_only("canary_failed", "refused by the canary", reason, logging.ERROR)
     log.info("GPU engine admitted on device %d for %s (canary passed; crossover %d chars, queue %d)",
              device_id, path, crossover_chars, max_queue)
     return GpuRouter(cpu, gpu, crossover_chars=crossover_chars, max_queue=max_queue)
