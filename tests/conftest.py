@@ -27,11 +27,11 @@ def tokenizer_path(name: str) -> Path:
 
 
 @lru_cache(maxsize=None)
-def load(name: str):
-    """Our tokenizer for a shared file (cached for the whole run)."""
+def load(name: str, engine: str = "auto"):
+    """Our tokenizer for a shared file (cached for the whole run); ``engine`` as ``load_tokenizer``'s."""
     import toktier_backend as tt
 
-    return tt.load_tokenizer(tokenizer_path(name))
+    return tt.load_tokenizer(tokenizer_path(name), engine=engine)
 
 
 @lru_cache(maxsize=None)

@@ -301,23 +301,30 @@ def _main(argv: list[str] | None = None) -> None:
     import time
 
     from .engines.registry import FAST_ENGINE_ORDER, create
+    from .errors import EngineUnavailable
     from .spec import load_spec
 
     ap = argparse.ArgumentParser(description=_main.__doc__)
     ap.add_argument("files", nargs="+")
-    ap.add_argument("--engine", default=FAST_ENGINE_ORDER[0])
+    ap.add_argument("--engine", action="append", default=None,
+                    help=f"engine to compute for (repeatable; default: each of {', '.join(FAST_ENGINE_ORDER)} that loads the file)")
     ap.add_argument("--cache", action="store_true", help="write to the user cache instead of data/guard")
     args = ap.parse_args(argv)
     out = _cache_dir() / "guard" if args.cache else Path(__file__).parent / "data" / "guard"
     out.mkdir(parents=True, exist_ok=True)
-    for f in args.files:
+    for f, name in ((f, name) for f in args.files for name in args.engine or FAST_ENGINE_ORDER):
         spec = load_spec(f)
-        engine = create(args.engine, str(spec.path))
+        try:
+            engine = create(name, str(spec.path))
+        except EngineUnavailable as e:
+            print(f"{f}: {name}: skipped ({e})", flush=True)
+            continue
         t0 = time.perf_counter()
         reason = run_canary(spec, engine)
         guarded = [] if reason else compute_guard_set(spec, engine)
         key = guard_key(spec, engine)
         if not reason:
             (out / key).write_text(json.dumps({"file": Path(f).parent.name, "engine": engine.name, "guarded": guarded}))
-        print(f"{f}: {reason or f'{len(guarded)} guarded code points'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(f"{f}: {name}: {reason or f'{len(guarded)} guarded code points'} ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
 

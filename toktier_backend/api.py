@@ -110,7 +110,7 @@ class RepairInfo:
         widenings: how many times the search window was doubled (``WIDENINGS + 1`` = none found).
         reused: ids of the previous reply that are still valid (Triton's ``KEEP``).
         reencoded: ids produced by this request's encode.
-        engine: ``"gigatoken"``, ``"fastokens"`` or ``"hf"``; ``"gigatoken+hf"`` when a chunked encode
+        engine: ``"fastokens"``, ``"gigatoken"`` or ``"hf"``; ``"fastokens+hf"`` when a chunked encode
             (``parallel.py``) sent some chunks to the reference.
         fallback: why the reference (or a full encode) served what the fast path would have: ``""`` (it
             did not), ``"guarded"`` (guarded code point), ``"engine_error"``, ``"quarantined"`` (route
@@ -197,6 +197,7 @@ class Tokenizer:
             "path": str(self.spec.path), "sha256": self.spec.sha256, "family": self.family,
             "family_reason": self.cuts.reason, "engine": self.engine.name,
             "engine_admitted": self.admission.admitted, "guarded_code_points": len(self.admission.guarded),
+            "long_text_strategy": self.chunked.strategy, "long_text_calibration": self.chunked.calibration,
             "prefix_ids": None if self.spec.prefix_ids is None else self.spec.prefix_ids.tolist(),
             "suffix_ids": None if self.spec.suffix_ids is None else self.spec.suffix_ids.tolist(),
             "notes": self.spec.notes,

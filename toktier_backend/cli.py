@@ -39,7 +39,7 @@ def _info(args) -> int:
 def _guard_tables(args) -> int:
     from .admission import _main
 
-    _main(args.files + (["--cache"] if args.cache else []))
+    _main(args.files + (["--cache"] if args.cache else []) + [a for e in args.engine or () for a in ("--engine", e)])
     return 0
 
 
@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("guard-tables", help="precompute engine guard sets (exhaustive over Unicode)")
     p.add_argument("files", nargs="+")
     p.add_argument("--cache", action="store_true", help="write to the user cache, not package data")
+    p.add_argument("--engine", action="append", default=None,
+                   help="engine to compute for (repeatable; default: every fast engine that loads the file)")
     p.set_defaults(func=_guard_tables)
     try:  # the serving layer registers `serve` when it is present
         from .serving.cli_serve import add_serve_parser

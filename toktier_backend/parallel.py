@@ -12,36 +12,44 @@ so the result equals HF ``encode(text, add_special_tokens=False).ids``; the post
 to the whole text, by ``Tokenizer.encode``. Each chunk is checked on its own: a chunk holding a guarded code
 point (``admission.py``) goes to the reference, the others stay on the admitted engine.
 
-**Why threads.** gigatoken 0.10.0 ``Tokenizer.encode`` holds the GIL for the whole call and runs on the
-calling thread: it does *not* parallelize one document (no worker thread appears, CPU time equals wall
-time), and any other Python thread waits a full 4M-char encode. ``GigatokenEngine.encode`` therefore calls
-``encode_batch_padded([text], parallel=False)``: the same encoder, GIL released, and a shared borrow of the
-Rust object (``Tokenizer.encode`` takes a mutable one: a second thread got ``Already borrowed``). gigatoken
-also serializes concurrent calls on one Rust object (two threads encoding 2M chars each on one object take
-as long as one thread doing both; on two objects, half), so the engine keeps one object per concurrent
-caller (:meth:`ChunkedEncoder.prepare`). Each chunk is encoded to UTF-8 once under the GIL (that also
-rejects lone surrogates and feeds the guard check); the rest of a chunk runs GIL-free. Engines without a
-GIL-free encode (HF ``tokenizers`` holds the GIL in ``encode``) are not chunked: threads would only take
-turns.
+**Why threads.** Both fast engines release the GIL while Rust runs, so chunks on threads run on all
+cores. Engines without a GIL-free encode (HF ``tokenizers`` holds the GIL in ``encode``) are not chunked:
+threads would only take turns.
+
+- **fastokens** (the default engine, ``engines/fastokens.py``) takes a ``str`` and converts it to UTF-8
+  itself, under the GIL. A chunk task hands it its chunk in pieces of :data:`PIECE_CHARS` cut at stable
+  cuts (:meth:`ChunkedEncoder._encode_pieces`): the GIL is held ~0.15 ms at a time, and the engine's
+  ``UnicodeEncodeError`` is the lone surrogate check. One fastokens object serves all threads at once.
+- **gigatoken** (cl100k_base / o200k_base, which fastokens cannot load). ``Tokenizer.encode`` holds the GIL
+  for the whole call and takes a mutable borrow of the Rust object (a second thread got ``Already
+  borrowed``); ``GigatokenEngine.encode`` calls ``encode_batch_padded([text], parallel=False)`` instead:
+  the same encoder, GIL released, a shared borrow. gigatoken serializes concurrent calls on one Rust object,
+  so the engine keeps one object per concurrent caller (:meth:`ChunkedEncoder.prepare`). It takes UTF-8
+  ``bytes``: the calling thread converts each chunk once (that also rejects lone surrogates and feeds the
+  guard check) and queues it as soon as it is converted (a generator consumed by :meth:`CpuPool.map`).
 
 **How a chunked encode runs.** One chunk per pool worker (:meth:`ChunkedEncoder.step`; at most
-:data:`CHUNK_CHARS` each). The calling thread converts the chunks to UTF-8 one after another and queues each
-as soon as it is converted (a generator consumed by :meth:`CpuPool.map`); the workers run the guard check
-and the engine, GIL-free, pinned to distinct CPUs while they do (``CpuPool(pin=...)``). The caller never
-encodes a chunk itself: the scheduler stacked a caller that did on the worker's core in most runs.
-Tried and dropped (same alternating runs, n=24): making the caller wait until a worker has started chunk
-``i`` before converting chunk ``i + 1`` (so the conversion overlaps the encode), with the first chunk
-larger to balance: qwen3 4M 14.8 vs 12.8 ms, gpt2 14.3 vs 11.6 (the woken worker pinned itself to the
-caller's core, and the caller then shared it).
+:data:`CHUNK_CHARS` each), run by workers pinned to distinct CPUs while they do (``CpuPool(pin=...)``).
+The caller never encodes a chunk itself: the scheduler stacked a caller that did on the worker's core in
+most runs. Tried and dropped (gigatoken, same alternating runs, n=24): making the caller wait until a
+worker has started chunk ``i`` before converting chunk ``i + 1``, with the first chunk larger to balance:
+qwen3 4M 14.8 vs 12.8 ms, gpt2 14.3 vs 11.6 (the woken worker pinned itself to the caller's core, and the
+caller then shared it).
 
-**gigatoken's own parallel path, and which is kept.** gigatoken's ``encode_batch(parallel=True)`` *does*
-parallelize: it encodes a list of documents on its Rust thread pool (rayon, one thread per core) with the
-GIL released once, grouping consecutive documents into work units of at least 2 MiB (two 2.0 MB documents
-make one unit, on one thread) and splitting a single larger document at its own "pretoken-safe"
-boundaries, which we have not proven. We measured it (issue #4 asks for it) with our chunks cut at our
-stable cuts (512K chars, 8 documents at 4M chars) against the pool path above, alternating on the same
-fresh texts, 2 cores, n=24: qwen3 4M chars 17.9 ms (batch) vs 12.9 (pool), llama3_1 15.2 vs 11.5, qwen3 2M
-10.8 vs 7.5 (the batch call ran on one thread there). The pool path is kept; the batch call was removed.
+**The engines' own parallel paths, and which is kept** (issue #4 asks to measure both). fastokens 0.3.5
+splits one call's work with one helper thread of its own on some files (gpt2, llama3_1, deepseek_v3:
+CPU time ~1.6x wall time when called back to back; qwen3, whose normalizer is NFC: never), less so after
+an idle gap. Our chunks (each a fastokens call, whatever it does inside) were faster at 1M chars and up in
+the same runs, 2 cores, every system after the same 0.2 s idle gap, n=16, p50, the whole text in one
+fastokens call vs chunked: 4M chars qwen3 18.6 vs 11.6 ms, gpt2 13.3 vs 11.5, deepseek_v3 14.0 vs 11.4;
+1M chars 4.7 vs 4.5, 4.1 vs 3.7, 4.1 vs 3.8; 500K chars 2.5 vs 2.2, 2.1 vs 2.5, 2.2 vs 2.1 (hence
+:data:`MIN_CHARS`). Handing fastokens 256K-char pieces instead of whole 2M-char chunks cost nothing
+measurable (qwen3 4M 11.6 vs 12.2 ms, gpt2 12.6 vs 13.3). gigatoken's ``encode_batch(parallel=True)``
+encodes a list of documents on its rayon pool, grouping consecutive documents into work units of at least
+2 MiB (two 2.0 MB documents make one unit, on one thread) and splitting a single larger document at its own
+"pretoken-safe" boundaries, which we have not proven; with our chunks as the documents it was slower than
+the pool path (qwen3 4M chars 17.9 vs 12.9 ms, llama3_1 15.2 vs 11.5, qwen3 2M 10.8 vs 7.5), and was
+removed.
 
 **Which is faster, per size** (``bench/full_encode.py``, same run, 2 cores): the whole-text encode below
 :data:`MIN_CHARS` (per-chunk overhead, the workers' wake-up and a migration eat the second core's gain),
@@ -97,10 +105,19 @@ _PRIORITY_NAMES = {REPAIR: "repair", CHUNK: "chunk"}
 #: equal halves. A repair never waits for a chunk (``CpuPool.call`` runs it on the caller's thread; a
 #: submitted one takes an express thread where the pool has one, else waits up to one chunk, ~7 ms).
 CHUNK_CHARS = 2 * 1024 * 1024
-#: Texts shorter than this (chars) are encoded whole, on the calling thread. Same runs, whole vs two
-#: chunks: qwen3 500K 3.19 vs 3.86 ms, 1M 5.49 vs 5.82, 1.5M 7.91 vs 6.28, 2M 9.85 vs 7.46; gpt2 1M 4.45 vs
-#: 4.35, 1.5M 6.18 vs 5.42.
-MIN_CHARS = 1_250_000
+#: Texts shorter than this (chars) are encoded whole, on the calling thread. fastokens, whole vs two chunks
+#: (same runs, 0.2 s idle gaps, n=16, p50): qwen3 500K 2.50 vs 2.19 ms, 1M 4.72 vs 4.51; gpt2 500K 2.06 vs
+#: 2.47, 1M 4.07 vs 3.68; deepseek_v3 500K 2.17 vs 2.12, 1M 4.10 vs 3.82. gigatoken (earlier runs): qwen3 1M
+#: 5.49 vs 5.82, 1.5M 7.91 vs 6.28; gpt2 1M 4.45 vs 4.35.
+MIN_CHARS = 1_000_000
+#: With the ``"whole"`` strategy (:meth:`ChunkedEncoder.calibrate`), texts of at least this many chars are
+#: encoded in one engine call with the caller and the engine's helper threads pinned to distinct CPUs;
+#: shorter ones (session repairs) are not worth the four ``sched_setaffinity`` calls (~20 us).
+WHOLE_PIN_MIN_CHARS = 256 * 1024
+#: Chars of the bundled sample sessions (``corpus.long_session_text``) that :meth:`ChunkedEncoder.calibrate`
+#: encodes both ways, :data:`CALIBRATE_REPS` times each, alternating (~0.1 s at load).
+CALIBRATE_CHARS = 2_000_000
+CALIBRATE_REPS = 3
 #: Chunks are converted to UTF-8 in pieces of this many chars (~0.15 ms of C holding the GIL each); between
 #: pieces the converting thread releases the GIL while a repair is active (``ChunkedEncoder._utf8_chunks``).
 PIECE_CHARS = 256 * 1024
@@ -479,16 +496,24 @@ class ChunkedEncoder:
             :data:`CHUNK_CHARS` each (:meth:`step`).
         min_chars: texts shorter than this (chars) are not chunked.
         search_chars: how far before each grid point to search for a stable cut (chars).
+        strategy: how long texts use the cores: ``"chunks"`` (chunks on the pool), ``"whole"`` (one engine
+            call that uses the engine's own helper threads, pinned: :meth:`calibrate`), or ``None``
+            (default): measure both at :meth:`prepare` and keep the faster.
 
     Attributes:
-        stats: counters: ``encodes`` (chunked encodes), ``chunks``, ``reference_chunks`` (a guarded code
+        stats: counters: ``encodes`` (long-text encodes), ``chunks``, ``reference_chunks`` (a guarded code
             point or an engine error sent the chunk to the reference), ``engine_errors``.
+        calibration: what :meth:`calibrate` measured and chose (``None`` before).
     """
 
     def __init__(self, tok: "Tokenizer", *, pool: CpuPool | None = None, chunk_chars: int | None = None,
-                 min_chars: int = MIN_CHARS, search_chars: int = SEARCH_CHARS):
+                 min_chars: int = MIN_CHARS, search_chars: int = SEARCH_CHARS, strategy: str | None = None):
         if (chunk_chars is not None and chunk_chars < 1) or search_chars < 1:
             raise ValueError(f"chunk_chars and search_chars must be >= 1, got {chunk_chars!r}, {search_chars!r}")
+        if strategy not in (None, "chunks", "whole"):
+            raise ValueError(f"strategy must be None, 'chunks' or 'whole', got {strategy!r}")
+        self.strategy = strategy
+        self.calibration: dict | None = None
         self.tok = tok
         self._pool = pool
         self.chunk_chars = None if chunk_chars is None else int(chunk_chars)
@@ -508,12 +533,51 @@ class ChunkedEncoder:
 
     def prepare(self) -> None:
         """Load what parallel chunks need, once: an engine object per pool worker, plus one for the calling
-        thread (``GigatokenEngine.reserve``: gigatoken serializes concurrent calls on one object). Serving
-        calls it at model load; otherwise the first chunked encode does (0.1-0.8 s per object)."""
+        thread (``GigatokenEngine.reserve``: gigatoken serializes concurrent calls on one object), and choose
+        the strategy (:meth:`calibrate`) unless one was given. Serving calls it at model load; otherwise the
+        first long encode does (0.1-0.8 s per gigatoken object; ~0.1 s of calibration)."""
         reserve = getattr(self.tok.engine, "reserve", None)
         if reserve is not None and self.available:
             reserve(self.pool.workers + 1)
+        if self.strategy is None:
+            self.strategy = self.calibrate()
         self._prepared = True
+
+    def calibrate(self) -> str:
+        """Measure the two ways of using the cores for one long text and return the faster, ``"whole"`` or
+        ``"chunks"`` (also kept in :attr:`calibration`).
+
+        Why measure: fastokens 0.3.5 splits one call's work with a helper thread of its own on some files
+        (gpt2, llama3_1, deepseek_v3) and not on others (qwen3), and which is faster differs per file. With
+        the caller and the helper pinned to distinct CPUs, one call beat two chunks on gpt2 (4M chars,
+        2 cores, p50, n=20: 9.9 vs 11.5 ms) and lost on qwen3 (16.2 vs 11.6). Both are exact by
+        construction. ``"chunks"`` without measuring when the engine has no helper threads (gigatoken:
+        one thread per call), or the process may use one CPU.
+
+        The sample is :data:`CALIBRATE_CHARS` chars of the bundled sample sessions, encoded
+        :data:`CALIBRATE_REPS` times each way, alternating; the medians decide.
+        """
+        helpers = getattr(self.tok.engine, "helper_threads", None)
+        if not self.available or helpers is None or not helpers() or len(_allowed_cpus()) < 2:
+            self.calibration = {"chosen": "chunks", "reason": "engine has no helper threads or one CPU"}
+            return "chunks"
+        from .corpus import long_session_text
+
+        sample = long_session_text(CALIBRATE_CHARS)
+        ways = {"whole": lambda: self._encode_whole(sample, 0, len(sample)), "chunks": lambda: self._chunks(sample)}
+        ms: dict[str, list[float]] = {k: [] for k in ways}
+        for _ in range(CALIBRATE_REPS):
+            for k, fn in ways.items():
+                t0 = time.perf_counter_ns()
+                fn()
+                ms[k].append((time.perf_counter_ns() - t0) / 1e6)
+        p50 = {k: float(np.median(v)) for k, v in ms.items()}
+        chosen = "whole" if p50["whole"] < p50["chunks"] else "chunks"
+        self.calibration = {"chosen": chosen, "whole_ms_p50": round(p50["whole"], 3),
+                            "chunks_ms_p50": round(p50["chunks"], 3), "sample_chars": len(sample),
+                            "reps": CALIBRATE_REPS}
+        log.info("%s: long texts take %s (%s)", self.tok.engine.name, chosen, self.calibration)
+        return chosen
 
     @property
     def _encode(self):
@@ -525,6 +589,12 @@ class ChunkedEncoder:
     @_encode.setter
     def _encode(self, fn) -> None:
         self.__dict__["_encode_set"] = fn
+
+    @property
+    def accepts_utf8(self) -> bool:
+        """Does the engine's GIL-free encode take UTF-8 ``bytes`` (gigatoken)? Else it takes ``str`` and
+        converts it itself (fastokens)."""
+        return bool(getattr(self.tok.engine, "accepts_utf8", False))
 
     @property
     def available(self) -> bool:
@@ -544,23 +614,28 @@ class ChunkedEncoder:
         return max(1, -(-n // chunks))
 
     def bounds(self, text: str) -> list[int]:
-        """Chunk boundaries ``[0, c1, ..., ck, len(text)]`` (chars, ascending).
+        """Chunk boundaries ``[0, c1, ..., ck, len(text)]`` (chars, ascending): :meth:`grid` at :meth:`step`."""
+        return self.grid(text, 0, len(text), self.step(len(text)))
 
-        ``ci`` is the last stable cut (``CutFinder.last_cut``: the family predicates, proven in
-        ``pipeline/cuts``) in the ``search_chars`` chars up to the grid point ``i * step`` (:meth:`step`). A grid
-        point with no cut that close adds no boundary (its neighbours' chunks merge), so the search costs
-        O(len(text) / step * search_chars) even on text with no cut at all: 1M chars of one letter,
-        of spaces, of newlines (where, for Gemma 3, every char is a candidate that fails the predicate).
+    def grid(self, text: str, a: int, b: int, step: int) -> list[int]:
+        """Stable cuts about ``step`` chars apart in ``text[a:b]``: ``[a, c1, ..., b]`` (chars, ascending).
+
+        ``ci`` is the last stable cut of ``text`` (``CutFinder.last_cut``: the family predicates, proven in
+        ``pipeline/cuts``, looking at the whole text) in the ``search_chars`` chars up to the grid point
+        ``a + i * step``. ``a`` and ``b`` must be stable cuts (or 0 and ``len(text)``), so every piece
+        ``text[ci:ci+1]`` encodes on its own to its share of the whole text's ids. A grid point with no cut
+        that close adds no boundary (its neighbours merge), so the search costs O((b - a) / step *
+        search_chars) even on text with no cut at all: 1M chars of one letter, of spaces, of newlines
+        (where, for Gemma 3, every char is a candidate that fails the predicate).
         """
         finder = self.tok.cuts
         n = len(text)
-        step = self.step(n)
-        out = [0]
-        for g in range(step, n, step):
+        out = [a]
+        for g in range(a + step, b, step):
             c = finder.last_cut(text, max(out[-1] + 1, g - self.search_chars + 1), g, n)
             if c is not None:
                 out.append(c)
-        out.append(n)
+        out.append(b)
         return out
 
     def encode_body(self, text: str) -> tuple[np.ndarray, str]:
@@ -574,30 +649,49 @@ class ChunkedEncoder:
         Raises:
             InvalidRequest: ``text`` holds a lone surrogate (names its char index).
         """
-        b = self.bounds(text)
-        spans = list(zip(b[:-1], b[1:]))
-        if not self._prepared and len(spans) > 1:
+        if not self._prepared:
             self.prepare()
-        if len(spans) == 1:  # no cut found: one chunk, on this thread
-            parts = [self._encode_chunk(text, spans[0])]
-        else:  # a generator: each chunk is queued as soon as this thread has its UTF-8 (see _utf8_chunks)
-            pool = self.pool
-            parts = pool.map(lambda item: self._encode_utf8(item, text), self._utf8_chunks(text, spans, pool),
-                             priority=CHUNK)
+        if self.strategy == "whole":
+            parts, n_spans = [self._encode_whole(text, 0, len(text))], 1
+        else:
+            parts, n_spans = self._chunks(text)
         ids = np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
         refs = sum(1 for _, ref in parts if ref)
         with self._stats_lock:
             self.stats["encodes"] += 1
-            self.stats["chunks"] += len(spans)
+            self.stats["chunks"] += n_spans
             self.stats["reference_chunks"] += refs
         name = self.tok.engine.name
-        return ids, name if refs == 0 else "hf" if refs == len(spans) else f"{name}+hf"
+        return ids, name if refs == 0 else "hf" if refs == n_spans else f"{name}+hf"
+
+    def _chunks(self, text: str) -> tuple[list[tuple[np.ndarray, bool]], int]:
+        """``text`` cut at :meth:`bounds`, each chunk encoded on the pool: ``([(ids, by reference)] per
+        chunk, number of chunks)``."""
+        b = self.bounds(text)
+        spans = list(zip(b[:-1], b[1:]))
+        pool = self.pool
+        if len(spans) == 1:  # no cut found: one chunk, on this thread
+            parts = [self._encode_chunk(text, spans[0])]
+        elif self.accepts_utf8:  # a generator: each chunk is queued as soon as this thread has its UTF-8
+            parts = pool.map(lambda item: self._encode_utf8(item, text), self._utf8_chunks(text, spans, pool),
+                             priority=CHUNK)
+        else:  # the engine converts each piece itself, on the worker (see _encode_pieces)
+            parts = pool.map(lambda span: self._encode_pieces(text, span, pool), spans, priority=CHUNK)
+        return parts, len(spans)
+
+    def _encode_whole(self, text: str, a: int, b: int) -> tuple[np.ndarray, bool]:
+        """Body ids of ``text[a:b]`` in one engine call on the calling thread, which is pinned to one CPU and
+        the engine's helper threads to the others while the call runs (``_pinned_call``), and whether the
+        reference produced them. The GIL is held while the engine converts the text (~0.6 ns/char)."""
+        helpers = getattr(self.tok.engine, "helper_threads", list)()  # (an engine with none runs unpinned)
+        return _pinned_call(lambda: self._encode_pieces(text, (a, b), None), helpers)
 
     def encode_span(self, text: str, a: int, b: int) -> tuple[np.ndarray, str]:
-        """Body ids of ``text[a:b]`` on the calling thread, as one chunk: one UTF-8 encode serves the lone
-        surrogate check, the guard check and the engine's input, and the engine runs without the GIL
-        (a 60K-char tail: ~0.30 ms, vs ~0.38 ms through ``Tokenizer.encode_body``). ``text[a:b]`` must
-        start at a stable cut and be wanted as a whole (not :meth:`wants`-long).
+        """Body ids of ``text[a:b]`` on the calling thread, as one chunk, in one engine call without the GIL:
+        the engine's UTF-8 conversion (or, for an engine that takes bytes, one ``str.encode``) is also the
+        lone surrogate check (gigatoken, a 60K-char tail: ~0.30 ms, vs ~0.38 ms through
+        ``Tokenizer.encode_body``). ``text[a:b]`` must start at a stable cut and be wanted as a whole (not
+        :meth:`wants`-long).
 
         Returns:
             ``(ids, engine)``: ``np.ndarray[int32] (n_tokens,)`` equal to HF
@@ -606,6 +700,12 @@ class ChunkedEncoder:
         Raises:
             InvalidRequest: a lone surrogate (names its char index in ``text``).
         """
+        if b - a >= WHOLE_PIN_MIN_CHARS and self.available:
+            if not self._prepared:
+                self.prepare()
+            if self.strategy == "whole":
+                ids, ref = self._encode_whole(text, a, b)
+                return ids, "hf" if ref else self.tok.engine.name
         ids, ref = self._encode_chunk(text, (a, b))
         return ids, "hf" if ref else self.tok.engine.name
 
@@ -634,14 +734,52 @@ class ChunkedEncoder:
             yield a, b, pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def _encode_chunk(self, text: str, span: tuple[int, int]) -> tuple[np.ndarray, bool]:
-        """Body ids of ``text[a:b]`` and whether the reference produced them.
+        """Body ids of ``text[a:b]`` on the calling thread, in one engine call, and whether the reference
+        produced them.
 
-        The chunk is encoded to UTF-8 once, under the GIL (~0.6 ns/char): that rejects lone surrogates,
-        the guard check reads the bytes in numpy, and the engine takes the bytes (gigatoken would
-        otherwise convert the ``str`` itself, under the GIL: ~0.8 ns/char more).
+        An engine that takes UTF-8 gets the chunk encoded to UTF-8 once, under the GIL (~0.6 ns/char): that
+        rejects lone surrogates, the guard check reads the bytes in numpy, and the engine takes the bytes
+        (gigatoken would otherwise convert the ``str`` itself, under the GIL: ~0.8 ns/char more). Another
+        engine gets the ``str`` (:meth:`_encode_pieces` with one piece).
         """
         a, b = span
+        if not self.accepts_utf8:
+            return self._encode_pieces(text, span, None)
         return self._encode_utf8((a, b, _utf8(text[a:b], a)), text)
+
+    def _encode_pieces(self, text: str, span: tuple[int, int], pool: CpuPool | None) -> tuple[np.ndarray, bool]:
+        """Body ids of the chunk ``text[a:b]`` for an engine that takes ``str`` (fastokens), and whether the
+        reference produced any of them.
+
+        On a pool worker (``pool`` given) the chunk is encoded in pieces of about :data:`PIECE_CHARS` cut at
+        stable cuts (:meth:`grid`), one engine call each: the engine converts each piece to UTF-8 under the
+        GIL (~0.15 ms), so a repair on another thread waits for the GIL at most that long, and while the
+        pool has a repair active this thread also sleeps 0 s between pieces (as :meth:`_utf8_chunks` does).
+        The engine's ``UnicodeEncodeError`` on a lone surrogate is the surrogate check. A piece holding a
+        guarded code point, or one the engine fails on, goes to the reference alone.
+        """
+        a, b = span
+        cuts = self.grid(text, a, b, PIECE_CHARS) if pool is not None and b - a > PIECE_CHARS else [a, b]
+        adm, encode = self.tok.admission, self._encode
+        parts, ref = [], False
+        for x, y in zip(cuts[:-1], cuts[1:]):
+            if pool is not None and pool.repairs_active:
+                time.sleep(0)
+            piece = text[x:y]
+            if not adm.has_guarded(piece):
+                try:
+                    parts.append(encode(piece))
+                    continue
+                except UnicodeEncodeError as e:
+                    raise _lone_surrogate(piece, x, e) from None
+                except Exception as e:  # never answer approximately: the reference takes this piece
+                    log.warning("engine %s failed on a chunk (%s); reference used", self.tok.engine.name, e)
+                    with self._stats_lock:
+                        self.stats["engine_errors"] += 1
+            _utf8(piece, x)  # a guarded or failed piece: its lone surrogate (if any) is still named
+            parts.append(self.tok._hf.encode(piece))
+            ref = True
+        return (parts[0] if len(parts) == 1 else np.concatenate(parts)), ref
 
     def _encode_utf8(self, item: tuple[int, int, bytes], text: str) -> tuple[np.ndarray, bool]:
         """Body ids of the chunk ``text[a:b]`` given as ``(a, b, its UTF-8)``, and whether the reference
@@ -659,16 +797,57 @@ class ChunkedEncoder:
         return self.tok._hf.encode(text[a:b]), True
 
 
+_pin_lock = threading.Lock()
+
+
+def _pinned_call(fn: Callable[[], Any], helpers: list[int]) -> Any:
+    """``fn()`` with the calling thread pinned to the first CPU this process may use and ``helpers`` (native
+    thread ids: an engine's own threads) to the others, round robin; every affinity is restored after.
+
+    One call at a time is pinned (a second concurrent one runs unpinned rather than share the CPUs); an
+    ``OSError`` (a helper ended, the allowed set changed) leaves the threads as they are and ``fn`` runs
+    anyway. Why: see ``FastokensEngine.helper_threads``.
+    """
+    cpus = _allowed_cpus()
+    if len(cpus) < 2 or not helpers or not _pin_lock.acquire(blocking=False):
+        return fn()
+    try:
+        mine = os.sched_getaffinity(0)
+        try:
+            os.sched_setaffinity(0, {cpus[0]})
+            for i, tid in enumerate(helpers):
+                os.sched_setaffinity(tid, {cpus[1 + i % (len(cpus) - 1)]})
+        except OSError as e:
+            log.debug("cannot pin an encode and its engine's threads (%s); running unpinned", e)
+        try:
+            return fn()
+        finally:
+            for tid in helpers:
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                except OSError:  # the thread ended
+                    pass
+            os.sched_setaffinity(0, mine)
+    finally:
+        _pin_lock.release()
+
+
 def _utf8(chunk: str, at: int) -> bytes:
     """``chunk`` as UTF-8; a lone surrogate is an :class:`InvalidRequest` naming its char index (``at`` is
     the chunk's start in the text)."""
     try:
         return chunk.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidRequest(
-            f"text holds a lone surrogate {chunk[e.start]!r} at char {at + e.start}: not a Unicode scalar "
-            "value; send valid UTF-8 text"
-        ) from None
+        raise _lone_surrogate(chunk, at, e) from None
+
+
+def _lone_surrogate(chunk: str, at: int, e: UnicodeEncodeError) -> InvalidRequest:
+    """The :class:`InvalidRequest` for the lone surrogate ``e`` found in ``chunk`` (which starts at char ``at``
+    of the text)."""
+    return InvalidRequest(
+        f"text holds a lone surrogate {chunk[e.start]!r} at char {at + e.start}: not a Unicode scalar "
+        "value; send valid UTF-8 text"
+    )
 
 
 __all__ = ["CHUNK", "CHUNK_CHARS", "MIN_CHARS", "REPAIR", "SEARCH_CHARS", "ChunkedEncoder", "CpuPool",

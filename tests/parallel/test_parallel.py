@@ -23,7 +23,7 @@ import toktier_backend as tt
 from toktier_backend import corpus, parallel
 from toktier_backend.parallel import CHUNK, REPAIR, ChunkedEncoder, CpuPool
 
-from ..conftest import NAMES, load, reference
+from ..conftest import NAMES, load, reference, tokenizer_path
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,8 @@ def pool():
 
 
 def make(tok, pool, **kw) -> ChunkedEncoder:
-    """A ChunkedEncoder on the test pool."""
+    """A ChunkedEncoder on the test pool, cutting chunks (not calibrated: see the ``whole`` tests)."""
+    kw.setdefault("strategy", "chunks")
     return ChunkedEncoder(tok, pool=pool, **kw)
 
 
@@ -115,9 +116,15 @@ def edge_text(name: str, step: int) -> str:
 # ---------------------------------------------------------------------------------------------- exactness
 
 
+#: The default engine (fastokens, chunks handed over as ``str``; gigatoken for cl100k/o200k) and gigatoken
+#: everywhere (chunks converted to UTF-8 by the caller).
+ENGINES = ("auto", "gigatoken")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", NAMES)
-def test_real_trajectories(name, pool, corpus_text):
-    tok = load(name)
+def test_real_trajectories(name, engine, pool, corpus_text):
+    tok = load(name, engine)
     for cc in (1000, 8192):
         enc = make(tok, pool, chunk_chars=cc, min_chars=0)
         _, engine = check(name, enc, corpus_text, min_chunks=len(corpus_text) // cc // 2)
@@ -141,9 +148,10 @@ def test_added_tokens_at_chunk_edges(name, pool):
         check(name, enc, edge_text(name, cc), min_chunks=2)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", NAMES)
-def test_every_chunk_count_1_to_16(name, pool, corpus_text):
-    tok = load(name)
+def test_every_chunk_count_1_to_16(name, engine, pool, corpus_text):
+    tok = load(name, engine)
     text = corpus_text[:40_000]
     want = hf_ids(name, text)
     for k in range(1, 17):
@@ -160,6 +168,8 @@ def test_public_api_and_session_full_route(name, pool, corpus_text, monkeypatch)
     tok = load(name)
     monkeypatch.setattr(tok.chunked, "min_chars", 1)
     monkeypatch.setattr(tok.chunked, "chunk_chars", 2000)
+    monkeypatch.setattr(tok.chunked, "strategy", "chunks")
+    monkeypatch.setattr(tok.chunked, "_prepared", True)
     monkeypatch.setattr(tok.chunked, "_pool", pool)
     text = corpus_text[:30_000]
     before = tok.chunked.stats["encodes"]
@@ -171,10 +181,11 @@ def test_public_api_and_session_full_route(name, pool, corpus_text, monkeypatch)
     assert tok.chunked.stats["encodes"] > before or not tok.chunked.available
 
 
-# gemma3 is left out: gigatoken agrees with HF on every code point there (its guard set is empty).
+# gemma3 is left out: gigatoken agrees with HF on every code point there (its guard set is empty), as
+# fastokens does on every file it loads: the str path is checked with a guard set of its own below.
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "gemma3"])
 def test_guarded_chunk_goes_to_reference_alone(name, pool, corpus_text):
-    tok = load(name)
+    tok = load(name, "gigatoken")
     assert tok.admission.guarded, f"{name}: expected a non-empty guard set for {tok.engine.name}"
     cp = chr(tok.admission.guarded[len(tok.admission.guarded) // 2])
     text = corpus_text[:20_000]
@@ -185,24 +196,94 @@ def test_guarded_chunk_goes_to_reference_alone(name, pool, corpus_text):
     assert enc.stats["reference_chunks"] == 1 and enc.stats["chunks"] >= 8
 
 
-def test_engine_error_sends_only_that_chunk_to_reference(pool, corpus_text, monkeypatch):
-    tok = load("qwen3")
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_guarded_piece_goes_to_reference_alone_on_the_str_path(name, pool, corpus_text, monkeypatch):
+    """fastokens' guard sets are empty; with one code point guarded (as a future engine build could need),
+    only the piece that holds it goes to the reference, and the ids still equal HF's."""
+    from toktier_backend.admission import Admission
+
+    tok = tt.load_tokenizer(tokenizer_path(name), engine="fastokens")
+    assert not tok.admission.guarded and not tok.chunked.accepts_utf8
+    tok.admission = Admission(True, [ord("é")])
+    monkeypatch.setattr(parallel, "PIECE_CHARS", 1000)
+    text = corpus_text[:20_000]
+    text = text[:10_000] + " café " + text[10_000:]
+    enc = make(tok, pool, chunk_chars=5000, min_chars=0)
+    _, engine = check(name, enc, text, min_chunks=4)
+    assert engine == "fastokens+hf"
+    assert enc.stats["reference_chunks"] == 1
+
+
+@pytest.mark.parametrize("engine", ["fastokens", "gigatoken"])
+def test_engine_error_sends_only_that_chunk_to_reference(engine, pool, corpus_text, monkeypatch):
+    tok = load("qwen3", engine)
     enc = make(tok, pool, chunk_chars=2000, min_chars=0)
     real = enc._encode
 
     text = corpus_text[:20_000]
     b = enc.bounds(text)
-    target = text[b[2]:b[3]].encode()  # the third chunk fails
+    target = text[b[2]:b[3]]  # the third chunk fails
+    if enc.accepts_utf8:
+        target = target.encode()
 
-    def flaky(data: bytes):
+    def flaky(data):
         if data == target:
             raise RuntimeError("injected")
         return real(data)
 
     monkeypatch.setattr(enc, "_encode", flaky)
-    _, engine = check("qwen3", enc, text, min_chunks=8)
-    assert engine == "gigatoken+hf"
+    _, got_engine = check("qwen3", enc, text, min_chunks=8)
+    assert got_engine == f"{engine}+hf"
     assert enc.stats["engine_errors"] == enc.stats["reference_chunks"] == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_whole_strategy_is_exact_and_pins_only_while_it_runs(name, corpus_text):
+    """The ``"whole"`` strategy: one engine call, the caller and the engine's helper threads pinned to
+    distinct CPUs during the call and given back the whole set after; ids equal HF's on every file, through
+    ``encode_body``, ``encode_span`` and ``Tokenizer.encode``; a lone surrogate is still named."""
+    tok = load(name)
+    enc = ChunkedEncoder(tok, strategy="whole", min_chars=0)
+    text = corpus_text + trap_text(name, random.Random(f"whole-{name}"))
+    seen: list[tuple] = []
+    helpers = getattr(tok.engine, "helper_threads", lambda: [])()
+    real = enc._encode
+
+    def spy(data):
+        seen.append((os.sched_getaffinity(0), [os.sched_getaffinity(t) for t in helpers]))
+        return real(data)
+
+    enc._encode = spy
+    ids, engine = enc.encode_body(text)
+    assert ids.tolist() == hf_ids(name, text) and engine == tok.engine.name
+    assert enc.stats["chunks"] == 1
+    ids, _ = enc.encode_span(text, 0, len(text))
+    assert ids.tolist() == hf_ids(name, text)
+    allowed = os.sched_getaffinity(0)
+    if helpers and len(allowed) > 1:  # pinned while the engine ran: caller and helpers on distinct CPUs
+        mine, theirs = seen[0]
+        assert len(mine) == 1 and all(len(t) == 1 and t != mine for t in theirs), seen[0]
+    assert os.sched_getaffinity(0) == allowed
+    assert all(os.sched_getaffinity(t) == allowed for t in helpers)
+    with pytest.raises(tt.InvalidRequest, match="at char 5000"):
+        enc.encode_body(text[:5000] + "\udc00" + text[5000:])
+
+
+def test_calibration_measures_both_ways_and_keeps_the_faster():
+    """``prepare`` chooses the strategy by measurement when none is given, and records both medians."""
+    for name, engine in (("gpt2", "fastokens"), ("qwen3", "fastokens"), ("cl100k_base", "auto")):
+        tok = tt.load_tokenizer(tokenizer_path(name), engine=engine)
+        enc = ChunkedEncoder(tok)
+        enc.prepare()
+        cal = enc.calibration
+        assert enc.strategy == cal["chosen"] in ("whole", "chunks")
+        if tok.engine.name == "gigatoken":  # one thread per call: nothing to measure
+            assert cal["chosen"] == "chunks" and "reason" in cal
+        elif len(os.sched_getaffinity(0)) > 1:
+            faster = "whole" if cal["whole_ms_p50"] < cal["chunks_ms_p50"] else "chunks"
+            assert cal["chosen"] == faster and cal["sample_chars"] == parallel.CALIBRATE_CHARS
+    with pytest.raises(ValueError, match="strategy"):
+        ChunkedEncoder(tok, strategy="both")
 
 
 def test_lone_surrogate_names_its_index(pool):
@@ -363,8 +444,8 @@ def test_pool_errors_and_nested_map_do_not_deadlock():
 @pytest.mark.parametrize("express", [0, 1])
 def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, express):
     """The Delta Tokenizer property: a session repair submitted while a long full encode is running
-    finishes before it, waiting at most about one chunk (here a chunk is ~20K chars, ~0.1 ms of
-    gigatoken; the bound is loose for a loaded CI machine)."""
+    finishes before it, waiting at most about one chunk (here a chunk is ~20K chars, ~0.1 ms of the
+    engine; the bound is loose for a loaded CI machine)."""
     tok = load("qwen3")
     p = CpuPool(2, express=express, name="test-delta")
     enc = make(tok, p, chunk_chars=20_000, min_chars=0)
@@ -458,6 +539,7 @@ def test_handler_runs_sessions_and_chunks_on_its_pool(corpus_text):
     from toktier_backend.serving.handler import Handler
 
     tok = tt.load_tokenizer(tt.default_tokenizer_path())
+    tok.chunked.strategy = "chunks"  # (else the handler's prepare() calibrates, and may choose "whole")
     p = CpuPool(2, name="test-handler")
     h = Handler(tok, max_text_bytes=1 << 22, pool=p)
     assert tok.chunked.pool is p
@@ -477,9 +559,13 @@ def test_handler_runs_sessions_and_chunks_on_its_pool(corpus_text):
 
 def test_engine_calls_from_other_threads_during_chunks(corpus_text):
     """gigatoken's own ``Tokenizer.encode`` takes a mutable borrow: called while a chunk runs GIL-free it
-    raised ``Already borrowed`` (and the chunk fell back to the reference). The engine's encode must be
+    raised ``Already borrowed`` (and the chunk fell back to the reference). Every engine's encode must be
     safe from any number of threads at once."""
-    tok = load("qwen3")
+    for engine in ("fastokens", "gigatoken"):
+        _engine_calls_during_chunks(load("qwen3", engine), corpus_text)
+
+
+def _engine_calls_during_chunks(tok, corpus_text):
     p = CpuPool(2, name="test-borrow")
     enc = ChunkedEncoder(tok, pool=p, chunk_chars=8192, min_chars=0)
     text = corpus.long_session_text(600_000)

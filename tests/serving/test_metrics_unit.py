@@ -17,7 +17,7 @@ def setup():
     from prometheus_client import CollectorRegistry
 
     reg = CollectorRegistry()
-    tok = tt.load_tokenizer(BUNDLED)
+    tok = tt.load_tokenizer(BUNDLED, engine="gigatoken")  # (fastokens guards no code point: nothing to count)
     h = Handler(tok, metrics=Metrics(reg, pool_stats=lambda: {
         "queue_depth": 3, "by_priority": {"repair": {"wait_ms_p99": 2.0, "wait_ms_mean": 1.0}}}),
         session_budget_bytes=12_000)

@@ -20,6 +20,9 @@ MAX_BACKENDS = 16
 
 class GigatokenEngine:
     name = "gigatoken"
+    #: ``encode_nogil`` also takes the text's UTF-8 ``bytes``: a chunked encode converts each chunk once and
+    #: the same bytes feed the guard check and the engine (``parallel.ChunkedEncoder``).
+    accepts_utf8 = True
 
     def __init__(self, path: str):
         from ..errors import EngineUnavailable
