@@ -7,11 +7,14 @@ samples (the second pass in reverse order: the machine's load drifts); HF runs l
 ``--hf-samples``. Every system sleeps the same ``--gap-s`` after each sample (ours after its prefix index is
 drained): an idle gap slows the next encode on this VM, so only equal gaps compare fairly:
 
-- ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with chunking off (``chunked.min_chars``
-  infinite): validation, guard check, one whole-text gigatoken encode;
-- ``ours_par``: the same call with the shipped settings: from ``parallel.MIN_CHARS`` up, chunked at stable
-  cuts, one chunk per worker of the shared pool (``toktier_backend.parallel``), converted to UTF-8 on the
-  calling thread and encoded by gigatoken GIL-free on the pinned workers;
+- ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with none of our parallel machinery
+  (``chunked.min_chars`` infinite, strategy ``"chunks"``): validation, guard check, one whole-text engine
+  call on the calling thread, unpinned (fastokens may still hand part of it to its own helper thread);
+- ``ours_par``: the same call with the shipped settings (``toktier_backend.parallel``): the strategy the
+  tokenizer's calibration chose at ``prepare()`` (printed per file): ``chunks`` (from ``parallel.MIN_CHARS``
+  up, cut at stable cuts, one chunk per worker of the shared pool, on workers pinned to distinct CPUs) or
+  ``whole`` (from ``parallel.WHOLE_PIN_MIN_CHARS`` up, one engine call with the caller and fastokens'
+  helper thread pinned to distinct CPUs);
 - ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``parallel.py``);
 - ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k);
 - ``toktier_chunked``: toktier 0.3.0 ``toktier.chunked.encode`` (qwen3, deepseek_v3, llama3_1 only);
@@ -94,6 +97,7 @@ def load_ours(path: Path, *, parallel: bool):
     tok = tt.load_tokenizer(path)
     if not parallel:
         tok.chunked.min_chars = 1 << 62
+        tok.chunked.strategy = "chunks"  # (no calibration: never chunked, never pinned)
     return tok
 
 
@@ -108,8 +112,8 @@ def drain(tok) -> None:
     idx = getattr(tok, "prefix_index", None)
     if idx is not None and hasattr(idx, "drain"):
         idx.drain()
-        if GAP_S:
-            time.sleep(GAP_S)
+    if GAP_S:  # (also without a prefix index: every system gets the same idle gap)
+        time.sleep(GAP_S)
 
 
 def toktier_chunked(name: str, path: Path) -> A.Anchor:
@@ -238,11 +242,14 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
             print(f"  {k}: skipped: {why}")
         if args.chunk_chars:
             tok_p.chunked.chunk_chars = args.chunk_chars
-        tok_p.chunked.prepare()  # engine objects for the pool's workers, as serving does at model load
+        tok_p.chunked.prepare()  # engine objects for the pool's workers and calibration, as serving does at load
+        print(f"  ours parallel: {tok_p.engine.name}, strategy {tok_p.chunked.strategy} ({tok_p.chunked.calibration})",
+              flush=True)
         for t in ("warm up " * 40_000, ):  # pool threads, caches
             tok_p.encode(t), tok_s.encode(t)
         entry = {"path": str(path), "skipped": skipped, "sizes": {},
                  "chunk_chars": tok_p.chunked.chunk_chars, "min_chars": tok_p.chunked.min_chars,
+                 "engine": tok_p.engine.name, "calibration": tok_p.chunked.calibration,
                  "pool_workers": tok_p.chunked.pool.workers}
         for size in (int(x) for x in args.sizes.split(",")):
             r = run_size(systems, sample_texts(size, args.samples, folder), args.hf_samples,
