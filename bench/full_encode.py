@@ -102,6 +102,7 @@ def load_ours(path: Path, *, parallel: bool):
 
 
 GAP_S = 0.2  # --gap-s
+INTERLEAVE = False  # --interleave
 
 
 def drain(tok) -> None:
@@ -140,8 +141,10 @@ def toktier_chunked(name: str, path: Path) -> A.Anchor:
 def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> dict:
     """Every system but HF, one system at a time (interleaved per sample, gigatoken's ``Tokenizer.encode``
     — whose object keeps a word cache across calls — slowed our next call ~1.5x), in two passes over the two
-    halves of the samples, the order reversed in the second (the machine's load drifts); then HF on the first
-    ``hf_samples`` (its encode churns hundreds of MB and slows whatever runs next); then every check."""
+    halves of the samples, the order reversed in the second (the machine's load drifts); or, with
+    ``--interleave``, every sample through every system in turn, the order rotated per sample (drift then
+    hits every system alike); then HF on the first ``hf_samples`` (its encode churns hundreds of MB and slows
+    whatever runs next); then every check."""
     ms = {k: [] for k in systems}
     got: dict[str, list] = {k: [] for k in systems}
     chunks: list[int] = []
@@ -161,11 +164,16 @@ def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> di
         elif GAP_S:
             time.sleep(GAP_S)  # the same idle gap as ours gets after drain()
 
-    half = (len(texts) + 1) // 2  # pass 1 on the first half of the samples, pass 2 on the rest: no text twice
-    for order, part in ((fast, texts[:half]), (fast[::-1], texts[half:])):
-        for name in order:
-            for text in part:
+    if INTERLEAVE:  # --interleave: every sample through every system, the order rotated per sample
+        for i, text in enumerate(texts):
+            for name in fast[i % len(fast):] + fast[:i % len(fast)]:
                 run(name, text)
+    else:
+        half = (len(texts) + 1) // 2  # pass 1 on the first half of the samples, pass 2 on the rest: no text twice
+        for order, part in ((fast, texts[:half]), (fast[::-1], texts[half:])):
+            for name in order:
+                for text in part:
+                    run(name, text)
     if "hf" in systems:
         for text in texts[:hf_samples]:
             run("hf", text)
@@ -527,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-samples", type=int, default=3, help="of those, how many HF encodes (and checks)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="fresh-encode columns to run")
     p.add_argument("--gap-s", type=float, default=0.2, help="idle seconds after our prefix index is drained")
+    p.add_argument("--interleave", action="store_true",
+                   help="fresh encodes: every sample through every system in turn (order rotated per sample), "
+                        "not one system at a time")
     p.add_argument("--chunk-chars", type=int, default=None, help="override parallel.CHUNK_CHARS for ours_par")
     p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune")
     p.add_argument("--pathological", action="store_true", help="add the pathological section")
@@ -548,8 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", default=None, help="shared folder (default <repo>/../shared)")
     p.add_argument("--out", default="bench/out")
     args = p.parse_args(argv)
-    global GAP_S
-    GAP_S = args.gap_s
+    global GAP_S, INTERLEAVE
+    GAP_S, INTERLEAVE = args.gap_s, args.interleave
     sections = set(args.only.split(",")) | {s for s, on in (("pathological", args.pathological),
                                                           ("mixed", args.mixed), ("tune", args.tune)) if on}
 

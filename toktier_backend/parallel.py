@@ -36,20 +36,31 @@ worker has started chunk ``i`` before converting chunk ``i + 1``, with the first
 qwen3 4M 14.8 vs 12.8 ms, gpt2 14.3 vs 11.6 (the woken worker pinned itself to the caller's core, and the
 caller then shared it).
 
-**The engines' own parallel paths, and which is kept** (issue #4 asks to measure both). fastokens 0.3.5
-splits one call's work with one helper thread of its own on some files (gpt2, llama3_1, deepseek_v3:
-CPU time ~1.6x wall time when called back to back; qwen3, whose normalizer is NFC: never), less so after
-an idle gap. Our chunks (each a fastokens call, whatever it does inside) were faster at 1M chars and up in
-the same runs, 2 cores, every system after the same 0.2 s idle gap, n=16, p50, the whole text in one
-fastokens call vs chunked: 4M chars qwen3 18.6 vs 11.6 ms, gpt2 13.3 vs 11.5, deepseek_v3 14.0 vs 11.4;
-1M chars 4.7 vs 4.5, 4.1 vs 3.7, 4.1 vs 3.8; 500K chars 2.5 vs 2.2, 2.1 vs 2.5, 2.2 vs 2.1 (hence
-:data:`MIN_CHARS`). Handing fastokens 256K-char pieces instead of whole 2M-char chunks cost nothing
-measurable (qwen3 4M 11.6 vs 12.2 ms, gpt2 12.6 vs 13.3). gigatoken's ``encode_batch(parallel=True)``
-encodes a list of documents on its rayon pool, grouping consecutive documents into work units of at least
-2 MiB (two 2.0 MB documents make one unit, on one thread) and splitting a single larger document at its own
-"pretoken-safe" boundaries, which we have not proven; with our chunks as the documents it was slower than
-the pool path (qwen3 4M chars 17.9 vs 12.9 ms, llama3_1 15.2 vs 11.5, qwen3 2M 10.8 vs 7.5), and was
-removed.
+**The engines' own parallel paths, and which is kept** (issue #4: "measure both and keep the faster").
+fastokens 0.3.5 hands part of one call's work to a helper thread of its own on some files (gpt2, llama3_1,
+deepseek_v3; never on qwen3, whose normalizer is NFC), and only when the scheduler runs that thread on the
+other core: after an idle gap it woke on the caller's core in most calls (gpt2 4M chars: 14.2 ms p50,
+CPU time = wall time). Pinned to distinct CPUs for the call (:func:`_pinned_call`), the same call took
+9.9 ms. So a long text is encoded one of two ways, the *strategy*:
+
+- ``"chunks"``: cut at stable cuts, one chunk per pool worker (above);
+- ``"whole"``: one engine call on the calling thread, the caller and the engine's helper threads pinned to
+  distinct CPUs (:meth:`ChunkedEncoder._encode_whole`; from :data:`WHOLE_PIN_MIN_CHARS`).
+
+Which is faster depends on the file, so :meth:`ChunkedEncoder.calibrate` measures both at load and keeps
+the faster. Interleaved per sample (0.2 s idle gaps, 4M chars of agent text, n=24, two processes, p50
+ms, whole / chunks / the fastokens anchor): gpt2 14.2 / 15.4 / 18.0 and 12.7 / 13.5 / 17.1, deepseek_v3
+16.1 / 16.6 / 18.1 and 13.0 / 16.5 / 16.3, llama3_1 12.8 / 16.6 / 16.1 and 12.2 / 15.1 / 16.9; qwen3
+(no helper work) whole 18.6 vs chunks 11.6. With ``"whole"`` the engine's helper threads do part of the
+work outside the pool: the pool's priorities and nice value do not reach them (mixed load, gpt2: repair
+p99 0.56 ms while 4M-char encodes ran back to back, 0.50 idle). Handing fastokens 256K-char pieces instead
+of whole 2M-char chunks cost nothing measurable (qwen3 4M 11.6 vs 12.2 ms, gpt2 12.6 vs 13.3); handing it
+the whole text in such pieces did (gpt2 4M 11.3 vs 10.2 ms), so ``"whole"`` is one call.
+gigatoken's ``encode_batch(parallel=True)`` encodes a list of documents on its rayon pool, grouping
+consecutive documents into work units of at least 2 MiB (two 2.0 MB documents make one unit, on one
+thread) and splitting a single larger document at its own "pretoken-safe" boundaries, which we have not
+proven; with our chunks as the documents it was slower than the pool path (qwen3 4M chars 17.9 vs 12.9
+ms, llama3_1 15.2 vs 11.5, qwen3 2M 10.8 vs 7.5), and was removed.
 
 **Which is faster, per size** (``bench/full_encode.py``, same run, 2 cores): the whole-text encode below
 :data:`MIN_CHARS` (per-chunk overhead, the workers' wake-up and a migration eat the second core's gain),
@@ -115,9 +126,10 @@ MIN_CHARS = 1_000_000
 #: shorter ones (session repairs) are not worth the four ``sched_setaffinity`` calls (~20 us).
 WHOLE_PIN_MIN_CHARS = 256 * 1024
 #: Chars of the bundled sample sessions (``corpus.long_session_text``) that :meth:`ChunkedEncoder.calibrate`
-#: encodes both ways, :data:`CALIBRATE_REPS` times each, alternating (~0.1 s at load).
+#: encodes both ways, :data:`CALIBRATE_REPS` times each, alternating (~0.1 s at load; five, not three: the
+#: margins on this sample were 4-15%, within the noise of three).
 CALIBRATE_CHARS = 2_000_000
-CALIBRATE_REPS = 3
+CALIBRATE_REPS = 5
 #: Chunks are converted to UTF-8 in pieces of this many chars (~0.15 ms of C holding the GIL each); between
 #: pieces the converting thread releases the GIL while a repair is active (``ChunkedEncoder._utf8_chunks``).
 PIECE_CHARS = 256 * 1024
@@ -549,9 +561,9 @@ class ChunkedEncoder:
 
         Why measure: fastokens 0.3.5 splits one call's work with a helper thread of its own on some files
         (gpt2, llama3_1, deepseek_v3) and not on others (qwen3), and which is faster differs per file. With
-        the caller and the helper pinned to distinct CPUs, one call beat two chunks on gpt2 (4M chars,
-        2 cores, p50, n=20: 9.9 vs 11.5 ms) and lost on qwen3 (16.2 vs 11.6). Both are exact by
-        construction. ``"chunks"`` without measuring when the engine has no helper threads (gigatoken:
+        the caller and the helper pinned to distinct CPUs, one call beat two chunks on llama3_1 (4M chars,
+        2 cores, interleaved, p50, n=24: 12.2 vs 15.1 ms) and lost on qwen3 (18.6 vs 11.6; the module
+        docstring has the rest). Both are exact by construction. ``"chunks"`` without measuring when the engine has no helper threads (gigatoken:
         one thread per call), or the process may use one CPU.
 
         The sample is :data:`CALIBRATE_CHARS` chars of the bundled sample sessions, encoded

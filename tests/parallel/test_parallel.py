@@ -609,3 +609,20 @@ def test_lone_surrogate_on_every_route_is_invalid_request(corpus_text, monkeypat
     tok.quarantine("full", "test")
     with pytest.raises(tt.InvalidRequest, match="lone surrogate"):
         tok.encode(base[:30_000] + "\ud800" + base[30_000:])
+
+
+def test_handler_long_text_strategy_parameter():
+    """``long_text_strategy`` in ``config.pbtxt``: ``auto`` keeps what the load-time calibration chose, the
+    others force it, anything else fails the model's load with the parameter named."""
+    from toktier_backend.serving.handler import Handler
+
+    base = {"tokenizer": "default", "pool_workers": "2"}
+    h = Handler.from_parameters(base)
+    assert h.tokenizer.chunked.strategy == h.tokenizer.chunked.calibration["chosen"]
+    for forced in ("chunks", "whole"):
+        h = Handler.from_parameters({**base, "long_text_strategy": forced})
+        assert h.tokenizer.chunked.strategy == forced
+        text = corpus.long_session_text(300_000)
+        assert h.handle_encode(text.encode())["INPUT_ID"].tolist() == hf_ids("gpt2", text, True)
+    with pytest.raises(ValueError, match="long_text_strategy"):
+        Handler.from_parameters({**base, "long_text_strategy": "fast"})

@@ -147,8 +147,9 @@ class Handler:
         ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``;
         the CPU pool's ``pool_workers`` (0 = one per core), ``pool_express`` (threads that run only session
         repairs), ``pool_nice`` (added to the general workers' nice value), ``pool_pin`` (1: pin chunk workers),
-        ``chunk_chars`` (0 = one chunk per pool worker) and ``parallel_min_chars`` (chunked full encode, chars;
-        see ``toktier_backend.parallel``);
+        ``chunk_chars`` (0 = one chunk per pool worker), ``parallel_min_chars`` (chunked full encode, chars)
+        and ``long_text_strategy`` (``auto``: measured at load, ``chunks`` or ``whole``; see
+        ``toktier_backend.parallel``);
         for a ``toktier_encode`` instance of kind ``"GPU"``: ``gpu_engine`` (``"auto"``: GPU engine on
         ``device_id`` when it loads and passes the canary, else the CPU; ``"off"``), ``gpu_crossover_chars``
         (texts of at least this many chars go to the GPU) and ``gpu_max_queue`` (see ``gpu/routing.py``).
@@ -159,8 +160,8 @@ class Handler:
 
         Raises:
             tt.UnsupportedTokenizer: the file cannot be served; the model then fails to load.
-            ValueError: a parameter is not a number where one is needed, or ``gpu_engine`` is not ``auto`` /
-                ``off`` (names the parameter). A GPU engine that cannot load never raises: it is logged and
+            ValueError: a parameter is not a number where one is needed, ``gpu_engine`` is not ``auto`` /
+                ``off``, or ``long_text_strategy`` not ``auto`` / ``chunks`` / ``whole`` (names the parameter). A GPU engine that cannot load never raises: it is logged and
                 counted, and the instance serves from the CPU.
         """
 
@@ -186,6 +187,12 @@ class Handler:
         if chunked is not None:
             chunked.chunk_chars = num("chunk_chars", "0") or None  # 0: one chunk per pool worker
             chunked.min_chars = num("parallel_min_chars", str(parallel.MIN_CHARS))
+            strategy = (params.get("long_text_strategy") or "auto").strip().lower()
+            if strategy not in ("auto", "chunks", "whole"):
+                raise ValueError(f"model parameter long_text_strategy={strategy!r} is not one of "
+                                 "['auto', 'chunks', 'whole']")
+            if strategy != "auto":  # (auto: what prepare() measured at load)
+                chunked.strategy = strategy
         from toktier_backend.pipeline.verifier import Verifier
         from toktier_backend.serving.metrics import get_metrics
 
