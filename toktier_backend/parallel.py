@@ -563,15 +563,18 @@ class ChunkedEncoder:
         (gpt2, llama3_1, deepseek_v3) and not on others (qwen3), and which is faster differs per file. With
         the caller and the helper pinned to distinct CPUs, one call beat two chunks on llama3_1 (4M chars,
         2 cores, interleaved, p50, n=24: 12.2 vs 15.1 ms) and lost on qwen3 (18.6 vs 11.6; the module
-        docstring has the rest). Both are exact by construction. ``"chunks"`` without measuring when the engine has no helper threads (gigatoken:
-        one thread per call), or the process may use one CPU.
+        docstring has the rest). Both are exact by construction. ``"chunks"`` without measuring when the
+        engine has no helper threads (gigatoken: one thread per call), or the process may use one CPU.
 
         The sample is :data:`CALIBRATE_CHARS` chars of the bundled sample sessions, encoded
         :data:`CALIBRATE_REPS` times each way, alternating; the medians decide.
         """
         helpers = getattr(self.tok.engine, "helper_threads", None)
-        if not self.available or helpers is None or not helpers() or len(_allowed_cpus()) < 2:
-            self.calibration = {"chosen": "chunks", "reason": "engine has no helper threads or one CPU"}
+        reason = ("no GIL-free engine or cut family" if not self.available else
+                  "the engine starts no helper threads" if helpers is None or not helpers() else
+                  "the process may use one CPU" if len(_allowed_cpus()) < 2 else "")
+        if reason:
+            self.calibration = {"chosen": "chunks", "reason": reason}
             return "chunks"
         from .corpus import long_session_text
 
