@@ -123,8 +123,11 @@ CHUNK_CHARS = 2 * 1024 * 1024
 MIN_CHARS = 1_000_000
 #: With the ``"whole"`` strategy (:meth:`ChunkedEncoder.calibrate`), texts of at least this many chars are
 #: encoded in one engine call with the caller and the engine's helper threads pinned to distinct CPUs;
-#: shorter ones (session repairs) are not worth the four ``sched_setaffinity`` calls (~20 us).
-WHOLE_PIN_MIN_CHARS = 256 * 1024
+#: shorter ones take the same call unpinned. ``bench/full_encode.py`` (two runs, n=16, p50, pinned vs
+#: unpinned): at 1M chars pinning lost (llama3_1 3.82 vs 3.42 ms, deepseek_v3 4.13 vs 3.55 and 5.05 vs 4.61,
+#: gpt2 4.82 vs 4.36), at 4M it tied or won (llama3_1 11.45 vs 11.38 and 14.01 vs 17.48, deepseek_v3 14.55
+#: vs 15.16, gpt2 17.04 vs 17.80): moving the caller to another CPU costs more than a short call gains.
+WHOLE_PIN_MIN_CHARS = 2_000_000
 #: Chars of the bundled sample sessions (``corpus.long_session_text``) that :meth:`ChunkedEncoder.calibrate`
 #: encodes both ways, :data:`CALIBRATE_REPS` times each, alternating (~0.1 s at load; five, not three: the
 #: margins on this sample were 4-15%, within the noise of three).
@@ -695,9 +698,12 @@ class ChunkedEncoder:
         return parts, len(spans)
 
     def _encode_whole(self, text: str, a: int, b: int) -> tuple[np.ndarray, bool]:
-        """Body ids of ``text[a:b]`` in one engine call on the calling thread, which is pinned to one CPU and
-        the engine's helper threads to the others while the call runs (``_pinned_call``), and whether the
-        reference produced them. The GIL is held while the engine converts the text (~0.6 ns/char)."""
+        """Body ids of ``text[a:b]`` in one engine call on the calling thread, and whether the reference
+        produced them. From :data:`WHOLE_PIN_MIN_CHARS` chars the caller is pinned to one CPU and the
+        engine's helper threads to the others while the call runs (``_pinned_call``). The GIL is held while
+        the engine converts the text (~0.6 ns/char)."""
+        if b - a < WHOLE_PIN_MIN_CHARS:
+            return self._encode_pieces(text, (a, b), None)
         helpers = getattr(self.tok.engine, "helper_threads", list)()  # (an engine with none runs unpinned)
         return _pinned_call(lambda: self._encode_pieces(text, (a, b), None), helpers)
 

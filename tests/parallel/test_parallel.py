@@ -238,10 +238,12 @@ def test_engine_error_sends_only_that_chunk_to_reference(engine, pool, corpus_te
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_whole_strategy_is_exact_and_pins_only_while_it_runs(name, corpus_text):
+def test_whole_strategy_is_exact_and_pins_only_while_it_runs(name, corpus_text, monkeypatch):
     """The ``"whole"`` strategy: one engine call, the caller and the engine's helper threads pinned to
-    distinct CPUs during the call and given back the whole set after; ids equal HF's on every file, through
-    ``encode_body``, ``encode_span`` and ``Tokenizer.encode``; a lone surrogate is still named."""
+    distinct CPUs during the call (from ``WHOLE_PIN_MIN_CHARS``, lowered here) and given back the whole set
+    after; ids equal HF's on every file, through ``encode_body`` and ``encode_span``; a lone surrogate is
+    still named."""
+    monkeypatch.setattr(parallel, "WHOLE_PIN_MIN_CHARS", 1000)
     tok = load(name)
     enc = ChunkedEncoder(tok, strategy="whole", min_chars=0)
     text = corpus_text + trap_text(name, random.Random(f"whole-{name}"))
@@ -267,6 +269,10 @@ def test_whole_strategy_is_exact_and_pins_only_while_it_runs(name, corpus_text):
     assert all(os.sched_getaffinity(t) == allowed for t in helpers)
     with pytest.raises(tt.InvalidRequest, match="at char 5000"):
         enc.encode_body(text[:5000] + "\udc00" + text[5000:])
+    seen.clear()  # below WHOLE_PIN_MIN_CHARS: the same call, unpinned
+    monkeypatch.setattr(parallel, "WHOLE_PIN_MIN_CHARS", len(text) + 1)
+    assert enc.encode_body(text)[0].tolist() == hf_ids(name, text)
+    assert seen[0][0] == allowed
 
 
 def test_calibration_measures_both_ways_and_keeps_the_faster():
