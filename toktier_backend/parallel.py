@@ -848,7 +848,10 @@ def _pinned_call(fn: Callable[[], Any], helpers: list[int]) -> Any:
                     os.sched_setaffinity(tid, cpus)
                 except OSError:  # the thread ended
                     pass
-            os.sched_setaffinity(0, mine)
+            try:
+                os.sched_setaffinity(0, mine)
+            except OSError:  # pragma: no cover - the allowed set shrank meanwhile: take what is allowed now
+                os.sched_setaffinity(0, _allowed_cpus() or cpus)
     finally:
         _pin_lock.release()
 
