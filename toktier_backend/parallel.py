@@ -721,13 +721,8 @@ class ChunkedEncoder:
         Raises:
             InvalidRequest: a lone surrogate (names its char index in ``text``).
         """
-        if b - a >= WHOLE_PIN_MIN_CHARS and self.available:
-            if not self._prepared:
-                self.prepare()
-            if self.strategy == "whole":
-                ids, ref = self._encode_whole(text, a, b)
-                return ids, "hf" if ref else self.tok.engine.name
-        ids, ref = self._encode_chunk(text, (a, b))
+        whole = self.strategy == "whole"  # (pins from WHOLE_PIN_MIN_CHARS: only when min_chars is above it)
+        ids, ref = self._encode_whole(text, a, b) if whole else self._encode_chunk(text, (a, b))
         return ids, "hf" if ref else self.tok.engine.name
 
     def _utf8_chunks(self, text: str, spans: list[tuple[int, int]], pool: CpuPool):
@@ -781,26 +776,36 @@ class ChunkedEncoder:
         """
         a, b = span
         cuts = self.grid(text, a, b, PIECE_CHARS) if pool is not None and b - a > PIECE_CHARS else [a, b]
-        adm, encode = self.tok.admission, self._encode
+        adm = self.tok.admission
         parts, ref = [], False
         for x, y in zip(cuts[:-1], cuts[1:]):
             if pool is not None and pool.repairs_active:
                 time.sleep(0)
             piece = text[x:y]
-            if not adm.has_guarded(piece):
-                try:
-                    parts.append(encode(piece))
-                    continue
-                except UnicodeEncodeError as e:
-                    raise _lone_surrogate(piece, x, e) from None
-                except Exception as e:  # never answer approximately: the reference takes this piece
-                    log.warning("engine %s failed on a chunk (%s); reference used", self.tok.engine.name, e)
-                    with self._stats_lock:
-                        self.stats["engine_errors"] += 1
-            _utf8(piece, x)  # a guarded or failed piece: its lone surrogate (if any) is still named
-            parts.append(self.tok._hf.encode(piece))
-            ref = True
+            try:
+                ids = None if adm.has_guarded(piece) else self._try_engine(piece)
+            except UnicodeEncodeError as e:
+                raise _lone_surrogate(piece, x, e) from None
+            if ids is None:  # guarded, or the engine failed: the reference takes this piece
+                _utf8(piece, x)  # (its lone surrogate, if any, is still named)
+                ids, ref = self.tok._hf.encode(piece), True
+            parts.append(ids)
         return (parts[0] if len(parts) == 1 else np.concatenate(parts)), ref
+
+    def _try_engine(self, data: str | bytes) -> np.ndarray | None:
+        """The engine's body ids of ``data`` (a chunk's ``str``, or its UTF-8 for an engine that
+        :attr:`accepts_utf8`), or ``None`` when the engine raised (logged and counted in ``stats``): never
+        answer approximately, the caller then takes the reference. A lone surrogate's
+        ``UnicodeEncodeError`` propagates (the request is invalid, not the engine)."""
+        try:
+            return self._encode(data)
+        except UnicodeEncodeError:
+            raise
+        except Exception as e:
+            log.warning("engine %s failed on a chunk (%s); reference used", self.tok.engine.name, e)
+            with self._stats_lock:
+                self.stats["engine_errors"] += 1
+            return None
 
     def _encode_utf8(self, item: tuple[int, int, bytes], text: str) -> tuple[np.ndarray, bool]:
         """Body ids of the chunk ``text[a:b]`` given as ``(a, b, its UTF-8)``, and whether the reference
@@ -808,14 +813,8 @@ class ChunkedEncoder:
         a, b, data = item
         adm = self.tok.admission
         guarded = (len(data) != b - a or adm._ascii_guarded) and adm.has_guarded_utf8(data)
-        if not guarded:
-            try:
-                return self._encode(data), False
-            except Exception as e:  # never answer approximately: the reference takes this chunk
-                log.warning("engine %s failed on a chunk (%s); reference used", self.tok.engine.name, e)
-                with self._stats_lock:
-                    self.stats["engine_errors"] += 1
-        return self.tok._hf.encode(text[a:b]), True
+        ids = None if guarded else self._try_engine(data)
+        return (ids, False) if ids is not None else (self.tok._hf.encode(text[a:b]), True)
 
 
 _pin_lock = threading.Lock()
