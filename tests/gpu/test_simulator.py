@@ -88,3 +88,46 @@ def test_paths_exercised(sim_results):
     assert sim_results["synthetic"]["nlong"] >= 3 and sim_results["qwen3"]["nlong"] >= 1  # block kernel
     assert sim_results["qwen3"]["rejected"] >= 1  # "e\u0301" is not NFC: CPU route, counted
     assert sim_results["qwen3"]["stats"]["cpu_not_accepted"] >= 1
+
+
+def test_no_cross_module_device_function_sees_numba_cuda():
+    """The simulator swaps ``numba.cuda`` for its fake module in a device function's globals on every
+    call, racily across its Python threads (NVIDIA/numba-cuda#690; it failed one CI run with
+    ``module 'numba.cuda' has no attribute 'syncthreads'``). A device function that looks up ``cuda``
+    is only safe when that name is not the ``numba.cuda`` module (``_warp._SimCuda``), or when the
+    module also holds the kernel that calls it (then the kernel's launch swapped it once, up front).
+    Checked over every device function of toktier_backend.gpu, and one simulated launch through them."""
+    code = (
+        "import numba, numpy as np\n"
+        "from numba import cuda, int64\n"
+        "from numba.cuda.simulator.kernel import FakeCUDAKernel\n"
+        "from toktier_backend.gpu import _warp, kernels, merges\n"
+        "mods = [_warp, kernels, merges]\n"
+        "racy, n = [], 0\n"
+        "for m in mods:\n"
+        "    kernel_mod = any(isinstance(v, FakeCUDAKernel) and not v._device for v in vars(m).values())\n"
+        "    for k, v in vars(m).items():\n"
+        "        if isinstance(v, FakeCUDAKernel) and v._device and v.fn.__module__ == m.__name__:\n"
+        "            n += 1\n"
+        "            if not kernel_mod and any(v.fn.__globals__.get(c) is numba.cuda for c in v.fn.__code__.co_names):\n"
+        "                racy.append(m.__name__ + '.' + k)\n"
+        "assert n >= 6, n\n"
+        "assert not racy, racy\n"
+        "@cuda.jit\n"
+        "def k(out):\n"
+        "    lane = cuda.threadIdx.x\n"
+        "    scr = cuda.shared.array(32, int64)\n"
+        "    sh = cuda.shared.array(32, int64)\n"
+        "    _warp.wsync()\n"
+        "    out[lane, 0] = _warp.shfl_down(scr, lane, lane * 10, 1)\n"
+        "    out[lane, 1] = _warp.block_min(sh, lane, 32, 100 - lane)\n"
+        "out = np.zeros((32, 2), np.int64)\n"
+        "k[1, 32](out)\n"
+        "assert out[:, 0].tolist() == [10 * min(i + 1, 31) if i < 31 else 310 for i in range(32)], out[:, 0]\n"
+        "assert out[:, 1].tolist() == [69] * 32, out[:, 1]\n"
+        "print('OK', n)\n"
+    )
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.startswith("OK"), r.stdout

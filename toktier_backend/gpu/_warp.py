@@ -19,6 +19,35 @@ from numba import cuda, int64
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
+if SIM:
+    from numba.cuda.simulator.kernel import _get_kernel_context
+
+    class _SimCuda:
+        """This module's ``cuda`` under the simulator: each attribute comes from the running simulated
+        kernel's fake CUDA module (``syncthreads`` and the rest), else from ``numba.cuda`` (``jit``).
+
+        Why: the simulator runs each CUDA thread as a Python thread and, on every device-function call,
+        swaps the ``numba.cuda`` module in the function's module globals for the fake one and back
+        (``swapped_cuda_module``). For device functions in a module other than the kernel's (all of
+        this one) that swap races: thread A restores ``numba.cuda`` while thread B is still inside a
+        device function, and B's next ``cuda.syncthreads()`` raises ``AttributeError: module
+        'numba.cuda' has no attribute 'syncthreads'`` (it failed one CI run; NVIDIA/numba-cuda#690 fixes
+        the swap upstream). With this object bound to ``cuda`` no global here *is* ``numba.cuda``, so
+        the simulator never swaps this module's globals and every thread always sees the fake module.
+        """
+
+        def __getattr__(self, name: str):
+            ctx = _get_kernel_context()
+            if ctx is not None:
+                try:
+                    return getattr(ctx, name)
+                except AttributeError:
+                    pass
+            return getattr(_numba_cuda, name)
+
+    _numba_cuda = cuda
+    cuda = _SimCuda()  # noqa: F811 (see _SimCuda)
+
 
 def _plain(fn):
     return fn
