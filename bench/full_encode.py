@@ -9,7 +9,8 @@ drained): an idle gap slows the next encode on this VM, so only equal gaps compa
 
 - ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with none of our parallel machinery
   (``chunked.min_chars`` infinite, strategy ``"chunks"``): validation, guard check, one whole-text engine
-  call on the calling thread, unpinned (fastokens may still hand part of it to its own helper thread);
+  call on the calling thread, serial: in a child process whose fastokens runs on one thread
+  (:class:`SerialProcess`; in this process one fastokens call may already use both cores);
 - ``ours_par``: the same call with the shipped settings (``toktier_backend.parallel``): the strategy the
   tokenizer's calibration chose at ``prepare()`` (printed per file): ``chunks`` (from ``parallel.MIN_CHARS``
   up, cut at stable cuts, one chunk per worker of the shared pool, on workers pinned to distinct CPUs) or
@@ -101,6 +102,50 @@ def load_ours(path: Path, *, parallel: bool):
     return tok
 
 
+class SerialProcess:
+    """``ours serial`` in a child process whose engine runs on one thread: ``encode(text) -> (ms, ids)``.
+
+    Why a process: fastokens 0.3.5 hands part of one call to a helper thread of its own on gpt2, llama3_1
+    and deepseek_v3, so a single call in this process already uses both cores: the engine's parallelism,
+    not a serial encode. Its thread count is read once per process from ``FASTOKENS_BPE_THREADS`` (set to
+    1 here, in the child only; the ``fastokens`` anchor and ``ours parallel`` keep their defaults). Pinning
+    the caller and the helper to one CPU instead was unfair the other way: the waiting helper shares the
+    CPU's time slices (gpt2 100K chars: p90 11.9 ms vs 1.0). The child times its own call (a fresh ``str``,
+    GC off, the prefix index drained after, untimed) and sends back the ms and the ids.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        env = dict(os.environ, FASTOKENS_BPE_THREADS="1")
+        self._proc = ctx.Process(target=_serial_child, args=(str(path), env, child), daemon=True)
+        self._proc.start()
+        self.engine = self._conn.recv()  # the engine's name once loaded and warmed up
+
+    def encode(self, text: str) -> tuple[float, np.ndarray]:
+        self._conn.send(text)
+        ms, ids = self._conn.recv()
+        return ms, np.frombuffer(ids, dtype=np.int32)
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._proc.join(timeout=10)
+
+
+def _serial_child(path: str, env: dict, conn) -> None:
+    os.environ.update(env)  # (before the engine's first encode, which reads it)
+    A.ensure_repo_on_path()
+    tok = load_ours(Path(path), parallel=False)
+    tok.encode("warm up " * 40_000)
+    conn.send(tok.engine.name)
+    while (text := conn.recv()) is not None:
+        ms, ids = timed(lambda: tok.encode(A.fresh_str(text), add_special_tokens=False))
+        drain(tok)  # (the prefix index; the parent sleeps the idle gap)
+        conn.send((ms, np.asarray(ids, dtype=np.int32).tobytes()))
+
+
 GAP_S = 0.2  # --gap-s
 INTERLEAVE = False  # --interleave
 
@@ -154,7 +199,10 @@ def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> di
         tok = toks.get(name)
         before = tok.chunked.stats["chunks"] if tok is not None else 0
         text = A.fresh_str(text)  # a new object per system and sample: no UTF-8 cached by a system before
-        t, ids = timed(lambda: systems[name](text))
+        if isinstance(systems[name], SerialProcess):  # (it times its own call, in its process)
+            t, ids = systems[name].encode(text)
+        else:
+            t, ids = timed(lambda: systems[name](text))
         ms[name].append(t)
         got[name].append(np.array(ids, dtype=np.int64))
         if name == "ours_par":
@@ -238,8 +286,9 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
     for name in args.tokenizers.split(","):
         path = A.tokenizer_path(name, shared)
         print(f"\n=== {name} ({path})", flush=True)
-        tok_s, tok_p = load_ours(path, parallel=False), load_ours(path, parallel=True)
-        make = {"ours": lambda: A.Anchor("ours", lambda t, tok=tok_s: tok.encode(t, add_special_tokens=False)),
+        tok_p = load_ours(path, parallel=True)
+        serial = SerialProcess(path) if "ours" in args.systems.split(",") else None
+        make = {"ours": lambda: A.Anchor("ours", serial),
                 "ours_par": lambda: A.Anchor("ours_par", lambda t, tok=tok_p: tok.encode(t, add_special_tokens=False)),
                 "gigatoken": lambda: A.gigatoken(path), "fastokens": lambda: A.fastokens(path),
                 "toktier_chunked": lambda: toktier_chunked(name, path), "hf": lambda: A.hf(path)}
@@ -253,19 +302,20 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
         tok_p.chunked.prepare()  # engine objects for the pool's workers and calibration, as serving does at load
         print(f"  ours parallel: {tok_p.engine.name}, strategy {tok_p.chunked.strategy} ({tok_p.chunked.calibration})",
               flush=True)
-        for t in ("warm up " * 40_000, ):  # pool threads, caches
-            tok_p.encode(t), tok_s.encode(t)
+        tok_p.encode("warm up " * 40_000)  # pool threads, caches
         entry = {"path": str(path), "skipped": skipped, "sizes": {},
                  "chunk_chars": tok_p.chunked.chunk_chars, "min_chars": tok_p.chunked.min_chars,
                  "engine": tok_p.engine.name, "calibration": tok_p.chunked.calibration,
                  "pool_workers": tok_p.chunked.pool.workers}
         for size in (int(x) for x in args.sizes.split(",")):
             r = run_size(systems, sample_texts(size, args.samples, folder), args.hf_samples,
-                         {"ours": tok_s, "ours_par": tok_p})
+                         {"ours_par": tok_p})
             ratios = print_size(name, size, r)
             entry["sizes"][str(size)] = {"systems": r, "ratios": ratios}
             bad += sum(v["mismatches"] for k, v in r.items() if k in ("ours", "ours_par"))
         results["fresh"][name] = entry
+        if serial is not None:
+            serial.close()
     return bad
 
 
