@@ -17,9 +17,12 @@ cores. Engines without a GIL-free encode (HF ``tokenizers`` holds the GIL in ``e
 threads would only take turns.
 
 - **fastokens** (the default engine, ``engines/fastokens.py``) takes a ``str`` and converts it to UTF-8
-  itself, under the GIL. A chunk task hands it its chunk in pieces of :data:`PIECE_CHARS` cut at stable
-  cuts (:meth:`ChunkedEncoder._encode_pieces`): the GIL is held ~0.15 ms at a time, and the engine's
-  ``UnicodeEncodeError`` is the lone surrogate check. One fastokens object serves all threads at once.
+  itself, under the GIL (~0.7-1.5 ns/char of agent text: a quarter of a 2M-char call). The text is cut at
+  stable cuts into pieces of about :data:`PIECE_CHARS`, and every piece is a pool task of its own
+  (:meth:`ChunkedEncoder.step`), taken by whichever worker is free: one worker's conversion overlaps the
+  other's GIL-free encode, the GIL is held ~0.2-0.4 ms at a time, the work balances to within a piece,
+  and a repair can run between any two pieces. The engine's ``UnicodeEncodeError`` is the lone surrogate
+  check. One fastokens object serves all threads at once.
 - **gigatoken** (cl100k_base / o200k_base, which fastokens cannot load). ``Tokenizer.encode`` holds the GIL
   for the whole call and takes a mutable borrow of the Rust object (a second thread got ``Already
   borrowed``); ``GigatokenEngine.encode`` calls ``encode_batch_padded([text], parallel=False)`` instead:
@@ -28,8 +31,9 @@ threads would only take turns.
   ``bytes``: the calling thread converts each chunk once (that also rejects lone surrogates and feeds the
   guard check) and queues it as soon as it is converted (a generator consumed by :meth:`CpuPool.map`).
 
-**How a chunked encode runs.** One chunk per pool worker (:meth:`ChunkedEncoder.step`; at most
-:data:`CHUNK_CHARS` each), run by workers pinned to distinct CPUs while they do (``CpuPool(pin=...)``).
+**How a chunked encode runs.** Pieces of :data:`PIECE_CHARS` for fastokens, one chunk per pool worker for
+gigatoken (:meth:`ChunkedEncoder.step`; at most :data:`CHUNK_CHARS` each), run by workers pinned to
+distinct CPUs while they do (``CpuPool(pin=...)``).
 The caller never encodes a chunk itself: the scheduler stacked a caller that did on the worker's core in
 most runs. Tried and dropped (gigatoken, same alternating runs, n=24): making the caller wait until a
 worker has started chunk ``i`` before converting chunk ``i + 1``, with the first chunk larger to balance:
@@ -43,7 +47,7 @@ other core: after an idle gap it woke on the caller's core in most calls (gpt2 4
 CPU time = wall time). Pinned to distinct CPUs for the call (:func:`_pinned_call`), the same call took
 9.9 ms. So a long text is encoded one of two ways, the *strategy*:
 
-- ``"chunks"``: cut at stable cuts, one chunk per pool worker (above);
+- ``"chunks"``: cut at stable cuts, the pieces or chunks on the pool (above);
 - ``"whole"``: one engine call on the calling thread, the caller and the engine's helper threads pinned to
   distinct CPUs (:meth:`ChunkedEncoder._encode_whole`; from :data:`WHOLE_PIN_MIN_CHARS`).
 
@@ -133,8 +137,12 @@ WHOLE_PIN_MIN_CHARS = 2_000_000
 #: margins on this sample were 4-15%, within the noise of three).
 CALIBRATE_CHARS = 2_000_000
 CALIBRATE_REPS = 5
-#: Chunks are converted to UTF-8 in pieces of this many chars (~0.15 ms of C holding the GIL each); between
+#: Chunks are converted to UTF-8 in pieces of this many chars (~0.2-0.4 ms of C holding the GIL each); between
 #: pieces the converting thread releases the GIL while a repair is active (``ChunkedEncoder._utf8_chunks``).
+#: For an engine that takes ``str`` (fastokens) each piece is also a pool task of its own
+#: (:meth:`ChunkedEncoder.step`). Measured against two equal halves (4M chars of agent text, 2 cores, every
+#: system in its own process, interleaved, 0.2 s gaps, n=16, p50 ms): qwen3 17.09 vs 17.41, llama3_1 15.03
+#: vs 15.84; 512K-char pieces were no better than 256K (qwen3 16.42 vs 16.44, fastokens on one thread).
 PIECE_CHARS = 256 * 1024
 #: How far before each grid point (:meth:`ChunkedEncoder.step`) to look for a stable cut (chars). Agent
 #: text has one every few chars; a window with none (a 1M-char run of one letter, of spaces, of digits)
@@ -507,8 +515,8 @@ class ChunkedEncoder:
     Args:
         tok: the tokenizer (its cut finder, admitted engine, guard set and reference).
         pool: the pool chunk tasks run on (default: :func:`shared_pool`, looked up per call).
-        chunk_chars: fixed chunk size (chars); ``None`` (default): one chunk per pool worker, at most
-            :data:`CHUNK_CHARS` each (:meth:`step`).
+        chunk_chars: fixed chunk size (chars); ``None`` (default): :meth:`step` (fastokens: pieces of
+            :data:`PIECE_CHARS`; gigatoken: one chunk per pool worker, at most :data:`CHUNK_CHARS` each).
         min_chars: texts shorter than this (chars) are not chunked.
         search_chars: how far before each grid point to search for a stable cut (chars).
         strategy: how long texts use the cores: ``"chunks"`` (chunks on the pool), ``"whole"`` (one engine
@@ -624,10 +632,15 @@ class ChunkedEncoder:
         return len(text) >= self.min_chars and self.available
 
     def step(self, n: int) -> int:
-        """Grid step (chars) for a text of ``n`` chars: ``chunk_chars`` when set, else one chunk per pool
-        worker, at most :data:`CHUNK_CHARS` each: ``ceil(n / max(workers, ceil(n / CHUNK_CHARS)))``."""
+        """Grid step (chars) for a text of ``n`` chars: ``chunk_chars`` when set; else, for an engine that
+        takes ``str`` (fastokens), :data:`PIECE_CHARS`: every piece is a pool task of its own, taken by
+        whichever worker is free (the halves of a text differ in cost; see :data:`PIECE_CHARS`); else (an
+        engine that takes UTF-8, converted by the caller) one chunk per pool worker, at most
+        :data:`CHUNK_CHARS` each: ``ceil(n / max(workers, ceil(n / CHUNK_CHARS)))``."""
         if self.chunk_chars is not None:
             return self.chunk_chars
+        if not self.accepts_utf8:
+            return PIECE_CHARS
         chunks = max(self.pool.workers, -(-n // CHUNK_CHARS))
         return max(1, -(-n // chunks))
 

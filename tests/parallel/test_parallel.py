@@ -525,7 +525,16 @@ def test_pin_holds_chunk_workers_on_distinct_cpus_only_while_they_run_chunks():
 
 
 def test_default_step_is_one_chunk_per_worker_up_to_chunk_chars():
-    tok = load("gpt2")
+    """Engines that take UTF-8 (gigatoken): one chunk per worker, at most CHUNK_CHARS each. Engines that
+    take ``str`` (fastokens): every PIECE_CHARS piece is a task of its own."""
+    fk = load("gpt2")
+    assert not fk.chunked.accepts_utf8
+    assert ChunkedEncoder(fk, pool=CpuPool(2, name="test-step-str")).step(4_000_000) == parallel.PIECE_CHARS
+    text = corpus.long_session_text(300_000)
+    enc = ChunkedEncoder(fk, pool=CpuPool(2, name="test-step-str2"), min_chars=0)
+    assert len(enc.bounds(text)) - 1 == -(-len(text) // parallel.PIECE_CHARS)
+    assert enc.encode_body(text)[0].tolist() == hf_ids("gpt2", text)
+    tok = load("gpt2", engine="gigatoken")
     for workers in (1, 2, 3):
         p = CpuPool(workers, name="test-step")
         enc = ChunkedEncoder(tok, pool=p)

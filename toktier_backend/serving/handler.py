@@ -147,7 +147,7 @@ class Handler:
         ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``;
         the CPU pool's ``pool_workers`` (0 = one per core), ``pool_express`` (threads that run only session
         repairs), ``pool_nice`` (added to the general workers' nice value), ``pool_pin`` (1: pin chunk workers),
-        ``chunk_chars`` (0 = one chunk per pool worker), ``parallel_min_chars`` (chunked full encode, chars)
+        ``chunk_chars`` (0 = ``ChunkedEncoder.step``'s default), ``parallel_min_chars`` (chunked full encode, chars)
         and ``long_text_strategy`` (``auto``: measured at load, ``chunks`` or ``whole``; see
         ``toktier_backend.parallel``);
         for a ``toktier_encode`` instance of kind ``"GPU"``: ``gpu_engine`` (``"auto"``: GPU engine on
@@ -185,7 +185,7 @@ class Handler:
         )
         chunked = getattr(handler.tokenizer, "chunked", None)
         if chunked is not None:
-            chunked.chunk_chars = num("chunk_chars", "0") or None  # 0: one chunk per pool worker
+            chunked.chunk_chars = num("chunk_chars", "0") or None  # 0: ChunkedEncoder.step's default
             chunked.min_chars = num("parallel_min_chars", str(parallel.MIN_CHARS))
             strategy = (params.get("long_text_strategy") or "auto").strip().lower()
             if strategy not in ("auto", "chunks", "whole"):
