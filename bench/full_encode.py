@@ -10,14 +10,15 @@ drained): an idle gap slows the next encode on this VM, so only equal gaps compa
 - ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with none of our parallel machinery
   (``chunked.min_chars`` infinite, strategy ``"chunks"``): validation, guard check, one whole-text engine
   call on the calling thread, serial: in a child process whose fastokens runs on one thread
-  (:class:`SerialProcess`; in this process one fastokens call may already use both cores);
+  (:class:`ChildProcess`; in this process one fastokens call may already use both cores);
 - ``ours_par``: the same call with the shipped settings (``toktier_backend.parallel``): the strategy the
   tokenizer's calibration chose at ``prepare()`` (printed per file): ``chunks`` (from ``parallel.MIN_CHARS``
   up, cut at stable cuts, one chunk per worker of the shared pool, on workers pinned to distinct CPUs) or
   ``whole`` (from ``parallel.WHOLE_PIN_MIN_CHARS`` up, one engine call with the caller and fastokens'
   helper thread pinned to distinct CPUs);
 - ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``parallel.py``);
-- ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k);
+- ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k), in a
+  child process of its own with fastokens' defaults (:class:`ChildProcess`);
 - ``toktier_chunked``: toktier 0.3.0 ``toktier.chunked.encode`` (qwen3, deepseek_v3, llama3_1 only);
 - ``hf``: HF ``tokenizers`` ``encode(text, add_special_tokens=False)``, serial (the reference).
 
@@ -102,27 +103,37 @@ def load_ours(path: Path, *, parallel: bool):
     return tok
 
 
-class SerialProcess:
-    """``ours serial`` in a child process whose engine runs on one thread: ``encode(text) -> (ms, ids)``.
+class ChildProcess:
+    """One fresh-encode column in a child process of its own: ``encode(text) -> (ms, ids)``.
 
-    Why a process: fastokens 0.3.5 hands part of one call to a helper thread of its own on gpt2, llama3_1
-    and deepseek_v3, so a single call in this process already uses both cores: the engine's parallelism,
-    not a serial encode. Its thread count is read once per process from ``FASTOKENS_BPE_THREADS`` (set to
-    1 here, in the child only; the ``fastokens`` anchor and ``ours parallel`` keep their defaults). Pinning
-    the caller and the helper to one CPU instead was unfair the other way: the waiting helper shares the
-    CPU's time slices (gpt2 100K chars: p90 11.9 ms vs 1.0). The child times its own call (a fresh ``str``,
-    GC off, the prefix index drained after, untimed) and sends back the ms and the ids.
+    Two columns run this way, because one fastokens 0.3.5 process shares one helper thread between every
+    fastokens object in it (it hands part of a call to that thread on gpt2, llama3_1, deepseek_v3) and
+    reads its thread count once, from ``FASTOKENS_BPE_THREADS``:
+
+    - ``ours``, serial (``kind="ours_serial"``): in this process a single call already uses both cores
+      through the helper: the engine's parallelism, not a serial encode. The child sets
+      ``FASTOKENS_BPE_THREADS=1``. (Pinning the caller and the helper to one CPU instead was unfair the other
+      way: the waiting helper shares the CPU's time slices: gpt2 100K chars p90 11.9 ms vs 1.0.)
+    - ``fastokens`` (``kind="fastokens"``): in this process its calls share the helper thread with
+      ``ours parallel``, whose ``whole`` strategy pins that thread to the other CPU and gives it back after;
+      the anchor's next call then found its helper already on the other core, as it would not on its own
+      (the anchor 12.8-17.6 ms at 4M chars here vs 14.9-16.5 in its own process the same hour). Its child
+      keeps fastokens' defaults, as a user of fastokens would run it.
+
+    The child times its own call the same way (a fresh ``str``, GC off; ours: the prefix index drained
+    after, untimed) and sends back the ms and the ids. ``reason`` is set (and ``encode`` must not be
+    called) when the column cannot run (fastokens cannot load cl100k_base / o200k_base).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, kind: str, path: Path) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        env = dict(os.environ, FASTOKENS_BPE_THREADS="1")
-        self._proc = ctx.Process(target=_serial_child, args=(str(path), env, child), daemon=True)
+        env = {"FASTOKENS_BPE_THREADS": "1"} if kind == "ours_serial" else {}
+        self._proc = ctx.Process(target=_child_main, args=(kind, str(path), env, child), daemon=True)
         self._proc.start()
-        self.engine = self._conn.recv()  # the engine's name once loaded and warmed up
+        self.reason, self.version = self._conn.recv()  # once loaded and warmed up
 
     def encode(self, text: str) -> tuple[float, np.ndarray]:
         self._conn.send(text)
@@ -134,16 +145,37 @@ class SerialProcess:
         self._proc.join(timeout=10)
 
 
-def _serial_child(path: str, env: dict, conn) -> None:
+def _child_main(kind: str, path: str, env: dict, conn) -> None:
     os.environ.update(env)  # (before the engine's first encode, which reads it)
     A.ensure_repo_on_path()
-    tok = load_ours(Path(path), parallel=False)
-    tok.encode("warm up " * 40_000)
-    conn.send(tok.engine.name)
+    tok = None
+    if kind == "ours_serial":
+        tok = load_ours(Path(path), parallel=False)
+        encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+        version = A._version("toktier_backend")
+    else:
+        anchor = A.fastokens(Path(path))
+        if anchor.encode is None:
+            conn.send((anchor.reason, anchor.version))
+            return
+        encode, version = anchor.encode, anchor.version
+    encode("warm up " * 40_000)
+    conn.send(("", version))
     while (text := conn.recv()) is not None:
-        ms, ids = timed(lambda: tok.encode(A.fresh_str(text), add_special_tokens=False))
-        drain(tok)  # (the prefix index; the parent sleeps the idle gap)
+        ms, ids = timed(lambda: encode(A.fresh_str(text)))
+        if tok is not None:
+            drain(tok)  # (the prefix index; the parent sleeps the idle gap)
         conn.send((ms, np.asarray(ids, dtype=np.int32).tobytes()))
+
+
+def child_column(name: str, kind: str, path: Path) -> A.Anchor:
+    """:class:`ChildProcess` as an ``Anchor`` (its ``encode`` is the process object; ``run_size`` asks it
+    for its own timing)."""
+    proc = ChildProcess(kind, path)
+    if proc.reason:
+        proc.close()
+        return A.Anchor(name, None, proc.reason, proc.version)
+    return A.Anchor(name, proc, version=proc.version)
 
 
 GAP_S = 0.2  # --gap-s
@@ -199,7 +231,7 @@ def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> di
         tok = toks.get(name)
         before = tok.chunked.stats["chunks"] if tok is not None else 0
         text = A.fresh_str(text)  # a new object per system and sample: no UTF-8 cached by a system before
-        if isinstance(systems[name], SerialProcess):  # (it times its own call, in its process)
+        if isinstance(systems[name], ChildProcess):  # (it times its own call, in its process)
             t, ids = systems[name].encode(text)
         else:
             t, ids = timed(lambda: systems[name](text))
@@ -287,10 +319,9 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
         path = A.tokenizer_path(name, shared)
         print(f"\n=== {name} ({path})", flush=True)
         tok_p = load_ours(path, parallel=True)
-        serial = SerialProcess(path) if "ours" in args.systems.split(",") else None
-        make = {"ours": lambda: A.Anchor("ours", serial),
+        make = {"ours": lambda: child_column("ours", "ours_serial", path),
                 "ours_par": lambda: A.Anchor("ours_par", lambda t, tok=tok_p: tok.encode(t, add_special_tokens=False)),
-                "gigatoken": lambda: A.gigatoken(path), "fastokens": lambda: A.fastokens(path),
+                "gigatoken": lambda: A.gigatoken(path), "fastokens": lambda: child_column("fastokens", "fastokens", path),
                 "toktier_chunked": lambda: toktier_chunked(name, path), "hf": lambda: A.hf(path)}
         anchors = [make[k]() for k in SYSTEMS if k in args.systems.split(",")]
         systems = {a.name: a.encode for a in anchors if a.encode is not None}
@@ -314,8 +345,9 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
             entry["sizes"][str(size)] = {"systems": r, "ratios": ratios}
             bad += sum(v["mismatches"] for k, v in r.items() if k in ("ours", "ours_par"))
         results["fresh"][name] = entry
-        if serial is not None:
-            serial.close()
+        for a in anchors:
+            if isinstance(a.encode, ChildProcess):
+                a.encode.close()
     return bad
 
 

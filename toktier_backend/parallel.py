@@ -51,8 +51,9 @@ CPU time = wall time). Pinned to distinct CPUs for the call (:func:`_pinned_call
 - ``"whole"``: one engine call on the calling thread, the caller and the engine's helper threads pinned to
   distinct CPUs (:meth:`ChunkedEncoder._encode_whole`; from :data:`WHOLE_PIN_MIN_CHARS`).
 
-Which is faster depends on the file, so :meth:`ChunkedEncoder.calibrate` measures both at load and keeps
-the faster. Interleaved per sample (0.2 s idle gaps, 4M chars of agent text, n=24, two processes, p50
+Which is faster depends on the file and on whether the text is ASCII (CPython keeps an ASCII ``str`` as
+its own UTF-8, so only there is the engine's conversion free), so :meth:`ChunkedEncoder.calibrate` measures
+both at load, on an ASCII and a non-ASCII sample, and each request takes the faster for its kind. Interleaved per sample (0.2 s idle gaps, 4M chars of agent text, n=24, two processes, p50
 ms, whole / chunks / the fastokens anchor): gpt2 14.2 / 15.4 / 18.0 and 12.7 / 13.5 / 17.1, deepseek_v3
 16.1 / 16.6 / 18.1 and 13.0 / 16.5 / 16.3, llama3_1 12.8 / 16.6 / 16.1 and 12.2 / 15.1 / 16.9; qwen3
 (no helper work) whole 18.6 vs chunks 11.6. With ``"whole"`` the engine's helper threads do part of the
@@ -133,10 +134,25 @@ MIN_CHARS = 1_000_000
 #: vs 15.16, gpt2 17.04 vs 17.80): moving the caller to another CPU costs more than a short call gains.
 WHOLE_PIN_MIN_CHARS = 2_000_000
 #: Chars of the bundled sample sessions (``corpus.long_session_text``) that :meth:`ChunkedEncoder.calibrate`
-#: encodes both ways, :data:`CALIBRATE_REPS` times each, alternating (~0.1 s at load; five, not three: the
-#: margins on this sample were 4-15%, within the noise of three).
+#: encodes both ways, as is (ASCII) and made non-ASCII, :data:`CALIBRATE_REPS` times each, alternating
+#: (~0.2 s at load; five, not three: the margins on this sample were 4-15%, within the noise of three).
 CALIBRATE_CHARS = 2_000_000
 CALIBRATE_REPS = 5
+#: ``"whole"`` is only a candidate when one whole-text call keeps more than this many cores busy (process
+#: CPU time / wall time, median of the calibration's whole calls): otherwise the engine did not split the
+#: call and the chunks win by construction (fastokens on qwen3: ~1.0; on gpt2 / llama3_1 / deepseek_v3
+#: ~1.5). Without this check a noisy calibration once chose ``"whole"`` for qwen3 (6.03 vs 6.41 ms), and
+#: its 4M-char encodes ran on one core (0.97x of serial).
+WHOLE_MIN_CORES = 1.2
+#: ``"whole"`` is chosen only when its median is at least this much faster than the chunks' (ratio): the
+#: chunks balance to within a piece whatever the text holds, the engine's own split of one call does not.
+#: On real agent text (the SWE-agent corpus, 4M chars, non-ASCII here and there; p50 ms, whole / chunks)
+#: whole's edge over chunks was smaller than on the calibration samples or reversed: llama3_1 12.0 / 13.8,
+#: deepseek_v3 15.4 / 15.9, gpt2 21.2 / 13.5 (the same text made ASCII: 8.8 / 13.0).
+WHOLE_MIN_GAIN = 1.15
+#: Non-ASCII chars sprinkled, in turn, one per 1000 chars into the non-ASCII calibration sample: box
+#: drawing and block (tree and progress output), accented Latin, CJK, a syllabic script, an ellipsis.
+_NON_ASCII = "\u2502\u2588\u00e9\u4e2d\u1660\u2026"
 #: Chunks are converted to UTF-8 in pieces of this many chars (~0.2-0.4 ms of C holding the GIL each); between
 #: pieces the converting thread releases the GIL while a repair is active (``ChunkedEncoder._utf8_chunks``).
 #: For an engine that takes ``str`` (fastokens) each piece is also a pool task of its own
@@ -521,7 +537,9 @@ class ChunkedEncoder:
         search_chars: how far before each grid point to search for a stable cut (chars).
         strategy: how long texts use the cores: ``"chunks"`` (chunks on the pool), ``"whole"`` (one engine
             call that uses the engine's own helper threads, pinned: :meth:`calibrate`), or ``None``
-            (default): measure both at :meth:`prepare` and keep the faster.
+            (default): measure both at :meth:`prepare`, for ASCII and for non-ASCII text, and keep the
+            faster; the attribute then holds ``"chunks"``, ``"whole"`` or ``"by_kind"`` (each request by
+            its text's kind).
 
     Attributes:
         stats: counters: ``encodes`` (long-text encodes), ``chunks``, ``reference_chunks`` (a guarded code
@@ -567,8 +585,9 @@ class ChunkedEncoder:
         self._prepared = True
 
     def calibrate(self) -> str:
-        """Measure the two ways of using the cores for one long text and return the faster, ``"whole"`` or
-        ``"chunks"`` (also kept in :attr:`calibration`).
+        """Measure the two ways of using the cores for one long text, for ASCII and for non-ASCII text, and
+        return the strategy: ``"whole"`` or ``"chunks"`` when both kinds of text agree, else ``"by_kind"``
+        (each request by its text's kind). What was measured is kept in :attr:`calibration`.
 
         Why measure: fastokens 0.3.5 splits one call's work with a helper thread of its own on some files
         (gpt2, llama3_1, deepseek_v3) and not on others (qwen3), and which is faster differs per file. With
@@ -577,8 +596,18 @@ class ChunkedEncoder:
         docstring has the rest). Both are exact by construction. ``"chunks"`` without measuring when the
         engine has no helper threads (gigatoken: one thread per call), or the process may use one CPU.
 
-        The sample is :data:`CALIBRATE_CHARS` chars of the bundled sample sessions, encoded
-        :data:`CALIBRATE_REPS` times each way, alternating; the medians decide.
+        Why by kind: CPython keeps an all-ASCII ``str`` as its own UTF-8, so the engine's conversion, which a
+        whole call does serially and chunks overlap with each other's encoding, is free only there, and
+        fastokens' split itself did worse on non-ASCII text for gpt2. Real agent text (4M chars, the corpus,
+        non-ASCII in every 256K chars; p50 ms, whole / chunks): gpt2 28.6 / 15.6, the same text made ASCII
+        10.1 / 14.2; llama3_1 13.3 / 15.7 and 8.4 / 11.6. ``str.isascii()`` is O(1), so each request takes
+        the strategy measured for its kind.
+
+        The samples are :data:`CALIBRATE_CHARS` chars of the bundled sample sessions (ASCII) and the same
+        with one non-ASCII char (:data:`_NON_ASCII`, in turn) every 1000 chars, each encoded
+        :data:`CALIBRATE_REPS` times each way, alternating, a new ``str`` each time. ``"whole"`` needs a
+        median :data:`WHOLE_MIN_GAIN` times faster than the chunks', and one whole call to keep at least
+        :data:`WHOLE_MIN_CORES` cores busy (else the engine did not split it); otherwise ``"chunks"``.
         """
         helpers = getattr(self.tok.engine, "helper_threads", None)
         reason = ("no GIL-free engine or cut family" if not self.available else
@@ -589,21 +618,47 @@ class ChunkedEncoder:
             return "chunks"
         from .corpus import long_session_text
 
-        sample = long_session_text(CALIBRATE_CHARS)
-        ways = {"whole": lambda: self._encode_whole(sample, 0, len(sample)), "chunks": lambda: self._chunks(sample)}
-        ms: dict[str, list[float]] = {k: [] for k in ways}
-        for _ in range(CALIBRATE_REPS):
-            for k, fn in ways.items():
-                t0 = time.perf_counter_ns()
-                fn()
-                ms[k].append((time.perf_counter_ns() - t0) / 1e6)
-        p50 = {k: float(np.median(v)) for k, v in ms.items()}
-        chosen = "whole" if p50["whole"] < p50["chunks"] else "chunks"
-        self.calibration = {"chosen": chosen, "whole_ms_p50": round(p50["whole"], 3),
-                            "chunks_ms_p50": round(p50["chunks"], 3), "sample_chars": len(sample),
-                            "reps": CALIBRATE_REPS}
+        ascii_sample = long_session_text(CALIBRATE_CHARS)
+        other = "".join(ascii_sample[i:i + 999] + _NON_ASCII[(i // 1000) % len(_NON_ASCII)]
+                        for i in range(0, len(ascii_sample), 1000))
+        kinds = {"ascii": self._calibrate_on(ascii_sample), "non_ascii": self._calibrate_on(other[:CALIBRATE_CHARS])}
+        a, b = kinds["ascii"]["chosen"], kinds["non_ascii"]["chosen"]
+        chosen = a if a == b else "by_kind"
+        self.calibration = {"chosen": chosen, **kinds, "sample_chars": CALIBRATE_CHARS, "reps": CALIBRATE_REPS}
         log.info("%s: long texts take %s (%s)", self.tok.engine.name, chosen, self.calibration)
         return chosen
+
+    def _calibrate_on(self, sample: str) -> dict:
+        """``whole`` vs ``chunks`` on ``sample`` (see :meth:`calibrate`): the choice, why, and the numbers."""
+        ways = {"whole": lambda t: self._encode_whole(t, 0, len(t)), "chunks": self._chunks}
+        ms: dict[str, list[float]] = {k: [] for k in ways}
+        cores: list[float] = []  # process CPU time / wall time of each whole call
+        for _ in range(CALIBRATE_REPS):
+            for k, fn in ways.items():
+                text = (sample + " ")[:-1]  # a new str each call: CPython caches a str's UTF-8 once an engine
+                c0, t0 = time.process_time_ns(), time.perf_counter_ns()  # reads it, which would favour "whole"
+                fn(text)
+                wall = time.perf_counter_ns() - t0
+                ms[k].append(wall / 1e6)
+                if k == "whole":
+                    cores.append((time.process_time_ns() - c0) / max(wall, 1))
+        p50 = {k: float(np.median(v)) for k, v in ms.items()}
+        used = float(np.median(cores))
+        if used < WHOLE_MIN_CORES:  # the engine did not split the call (fastokens on qwen3): nothing to win
+            chosen, why = "chunks", f"one call used {used:.2f} cores"
+        elif p50["whole"] * WHOLE_MIN_GAIN <= p50["chunks"]:
+            chosen, why = "whole", "faster"
+        else:
+            chosen, why = "chunks", "whole not clearly faster"
+        return {"chosen": chosen, "why": why, "whole_ms_p50": round(p50["whole"], 3),
+                "chunks_ms_p50": round(p50["chunks"], 3), "whole_cores": round(used, 2)}
+
+    def _whole_for(self, text: str) -> bool:
+        """Does ``text`` take one whole engine call (else chunks)? The strategy, or with ``"by_kind"`` the
+        calibrated choice for the text's kind (``str.isascii()``: O(1) in CPython)."""
+        if self.strategy == "by_kind":
+            return self.calibration["ascii" if text.isascii() else "non_ascii"]["chosen"] == "whole"
+        return self.strategy == "whole"
 
     @property
     def _encode(self):
@@ -682,7 +737,7 @@ class ChunkedEncoder:
         """
         if not self._prepared:
             self.prepare()
-        if self.strategy == "whole":
+        if self._whole_for(text):
             parts, n_spans = [self._encode_whole(text, 0, len(text))], 1
         else:
             parts, n_spans = self._chunks(text)
@@ -734,7 +789,7 @@ class ChunkedEncoder:
         Raises:
             InvalidRequest: a lone surrogate (names its char index in ``text``).
         """
-        whole = self.strategy == "whole"  # (pins from WHOLE_PIN_MIN_CHARS: only when min_chars is above it)
+        whole = self._whole_for(text)  # (pins from WHOLE_PIN_MIN_CHARS: only when min_chars is above it)
         ids, ref = self._encode_whole(text, a, b) if whole else self._encode_chunk(text, (a, b))
         return ids, "hf" if ref else self.tok.engine.name
 

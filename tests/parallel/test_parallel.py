@@ -282,14 +282,45 @@ def test_calibration_measures_both_ways_and_keeps_the_faster():
         enc = ChunkedEncoder(tok)
         enc.prepare()
         cal = enc.calibration
-        assert enc.strategy == cal["chosen"] in ("whole", "chunks")
+        assert enc.strategy == cal["chosen"] in ("whole", "chunks", "by_kind")
         if tok.engine.name == "gigatoken":  # one thread per call: nothing to measure
             assert cal["chosen"] == "chunks" and "reason" in cal
         elif len(os.sched_getaffinity(0)) > 1:
-            faster = "whole" if cal["whole_ms_p50"] < cal["chunks_ms_p50"] else "chunks"
-            assert cal["chosen"] == faster and cal["sample_chars"] == parallel.CALIBRATE_CHARS
+            assert cal["sample_chars"] == parallel.CALIBRATE_CHARS
+            for kind in ("ascii", "non_ascii"):
+                k = cal[kind]
+                assert k["whole_cores"] > 0
+                if k["whole_cores"] < parallel.WHOLE_MIN_CORES:  # the engine did not split the call
+                    assert k["chosen"] == "chunks" and "cores" in k["why"]
+                else:
+                    clearly = k["whole_ms_p50"] * parallel.WHOLE_MIN_GAIN <= k["chunks_ms_p50"]
+                    assert k["chosen"] == ("whole" if clearly else "chunks")
+            a, b = cal["ascii"]["chosen"], cal["non_ascii"]["chosen"]
+            assert cal["chosen"] == (a if a == b else "by_kind")
+            # each request takes its kind's choice
+            assert enc._whole_for("x" * 10) == (a == "whole")
+            assert enc._whole_for("x\u2502" * 10) == (b == "whole")
+    with pytest.raises(ValueError, match="strategy"):
+        ChunkedEncoder(tok, strategy="by_kind")  # (only a calibration chooses it)
     with pytest.raises(ValueError, match="strategy"):
         ChunkedEncoder(tok, strategy="both")
+
+
+def test_by_kind_strategy_routes_each_text_by_its_kind_and_stays_exact(corpus_text, pool):
+    """``"by_kind"`` (a calibration whose ASCII and non-ASCII samples disagreed): an ASCII text takes its
+    kind's choice (here one whole call), a non-ASCII one the other (here chunks); both equal HF."""
+    tok = load("gpt2")
+    enc = make(tok, pool, min_chars=0, chunk_chars=20_000)
+    enc.strategy = "by_kind"
+    enc.calibration = {"chosen": "by_kind", "ascii": {"chosen": "whole"}, "non_ascii": {"chosen": "chunks"}}
+    ascii_text = corpus_text.encode("ascii", "replace").decode()
+    assert ascii_text.isascii() and len(ascii_text) > 100_000
+    ids, _ = enc.encode_body(ascii_text)
+    assert ids.tolist() == hf_ids("gpt2", ascii_text) and enc.stats["chunks"] == 1
+    other = ascii_text[:50_000] + "\u2502 \u00e9t\u00e9" + ascii_text[50_000:]
+    ids, _ = enc.encode_body(other)
+    assert ids.tolist() == hf_ids("gpt2", other) and enc.stats["chunks"] > 3
+    assert enc.encode_span(other, 0, len(other))[0].tolist() == hf_ids("gpt2", other)
 
 
 def test_lone_surrogate_names_its_index(pool):

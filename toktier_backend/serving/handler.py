@@ -148,7 +148,7 @@ class Handler:
         the CPU pool's ``pool_workers`` (0 = one per core), ``pool_express`` (threads that run only session
         repairs), ``pool_nice`` (added to the general workers' nice value), ``pool_pin`` (1: pin chunk workers),
         ``chunk_chars`` (0 = ``ChunkedEncoder.step``'s default), ``parallel_min_chars`` (chunked full encode, chars)
-        and ``long_text_strategy`` (``auto``: measured at load, ``chunks`` or ``whole``; see
+        and ``long_text_strategy`` (``auto``: measured at load, per kind of text; ``chunks`` or ``whole``; see
         ``toktier_backend.parallel``);
         for a ``toktier_encode`` instance of kind ``"GPU"``: ``gpu_engine`` (``"auto"``: GPU engine on
         ``device_id`` when it loads and passes the canary, else the CPU; ``"off"``), ``gpu_crossover_chars``
