@@ -53,8 +53,9 @@ CPU time = wall time). Pinned to distinct CPUs for the call (:func:`_pinned_call
 
 Which is faster depends on the file and on whether the text is ASCII (CPython keeps an ASCII ``str`` as
 its own UTF-8, so only there is the engine's conversion free), so :meth:`ChunkedEncoder.calibrate` measures
-both at load, on an ASCII and a non-ASCII sample, and each request takes the faster for its kind. Interleaved per sample (0.2 s idle gaps, 4M chars of agent text, n=24, two processes, p50
-ms, whole / chunks / the fastokens anchor): gpt2 14.2 / 15.4 / 18.0 and 12.7 / 13.5 / 17.1, deepseek_v3
+both at load, on an ASCII and a non-ASCII sample, and each request takes the faster for its kind.
+Interleaved per sample (0.2 s idle gaps, 4M chars of agent text, n=24, two processes, p50 ms, whole /
+chunks / the fastokens anchor; before the chunks became piece tasks): gpt2 14.2 / 15.4 / 18.0 and 12.7 / 13.5 / 17.1, deepseek_v3
 16.1 / 16.6 / 18.1 and 13.0 / 16.5 / 16.3, llama3_1 12.8 / 16.6 / 16.1 and 12.2 / 15.1 / 16.9; qwen3
 (no helper work) whole 18.6 vs chunks 11.6. With ``"whole"`` the engine's helper threads do part of the
 work outside the pool: the pool's priorities and nice value do not reach them (mixed load, gpt2: repair
@@ -599,8 +600,8 @@ class ChunkedEncoder:
         Why by kind: CPython keeps an all-ASCII ``str`` as its own UTF-8, so the engine's conversion, which a
         whole call does serially and chunks overlap with each other's encoding, is free only there, and
         fastokens' split itself did worse on non-ASCII text for gpt2. Real agent text (4M chars, the corpus,
-        non-ASCII in every 256K chars; p50 ms, whole / chunks): gpt2 28.6 / 15.6, the same text made ASCII
-        10.1 / 14.2; llama3_1 13.3 / 15.7 and 8.4 / 11.6. ``str.isascii()`` is O(1), so each request takes
+        non-ASCII in every 256K chars; p50 ms, whole / chunks, two runs): gpt2 28.6 / 15.6 and 21.2 / 13.5, the
+        same text made ASCII 10.1 / 14.2 and 8.8 / 13.0; llama3_1 13.3 / 15.7 and 8.4 / 11.6. ``str.isascii()`` is O(1), so each request takes
         the strategy measured for its kind.
 
         The samples are :data:`CALIBRATE_CHARS` chars of the bundled sample sessions (ASCII) and the same
