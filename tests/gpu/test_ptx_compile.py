@@ -1,6 +1,7 @@
 """Every kernel compiles to PTX with the device intrinsics (no GPU needed, but libnvvm is).
 
-Skipped when no libnvvm is found (``CUDA_HOME``, or ``pip install nvidia-cuda-nvcc-cu12``).
+libnvvm comes with the ``test`` extra (``nvidia-cuda-nvcc-cu12``, Linux x86_64) or ``CUDA_HOME``; the test is
+skipped only where neither exists (another platform).
 """
 
 from __future__ import annotations
