@@ -55,8 +55,9 @@ Which is faster depends on the file and on whether the text is ASCII (CPython ke
 its own UTF-8, so only there is the engine's conversion free), so :meth:`ChunkedEncoder.calibrate` measures
 both at load, on an ASCII and a non-ASCII sample, and each request takes the faster for its kind.
 Interleaved per sample (0.2 s idle gaps, 4M chars of agent text, n=24, two processes, p50 ms, whole /
-chunks / the fastokens anchor; before the chunks became piece tasks): gpt2 14.2 / 15.4 / 18.0 and 12.7 / 13.5 / 17.1, deepseek_v3
-16.1 / 16.6 / 18.1 and 13.0 / 16.5 / 16.3, llama3_1 12.8 / 16.6 / 16.1 and 12.2 / 15.1 / 16.9; qwen3
+chunks / the fastokens anchor; before the chunks became piece tasks): gpt2 14.2 / 15.4 / 18.0 and 12.7 /
+13.5 / 17.1, deepseek_v3 16.1 / 16.6 / 18.1 and 13.0 / 16.5 / 16.3, llama3_1 12.8 / 16.6 / 16.1 and 12.2 /
+15.1 / 16.9; qwen3
 (no helper work) whole 18.6 vs chunks 11.6. With ``"whole"`` the engine's helper threads do part of the
 work outside the pool: the pool's priorities and nice value do not reach them (mixed load, gpt2: repair
 p99 0.56 ms while 4M-char encodes ran back to back, 0.50 idle). Handing fastokens 256K-char pieces instead
@@ -600,9 +601,9 @@ class ChunkedEncoder:
         Why by kind: CPython keeps an all-ASCII ``str`` as its own UTF-8, so the engine's conversion, which a
         whole call does serially and chunks overlap with each other's encoding, is free only there, and
         fastokens' split itself did worse on non-ASCII text for gpt2. Real agent text (4M chars, the corpus,
-        non-ASCII in every 256K chars; p50 ms, whole / chunks, two runs): gpt2 28.6 / 15.6 and 21.2 / 13.5, the
-        same text made ASCII 10.1 / 14.2 and 8.8 / 13.0; llama3_1 13.3 / 15.7 and 8.4 / 11.6. ``str.isascii()`` is O(1), so each request takes
-        the strategy measured for its kind.
+        non-ASCII in every 256K chars; p50 ms, whole / chunks, two runs): gpt2 28.6 / 15.6 and 21.2 / 13.5,
+        the same text made ASCII 10.1 / 14.2 and 8.8 / 13.0; llama3_1 13.3 / 15.7 and 8.4 / 11.6.
+        ``str.isascii()`` is O(1), so each request takes the strategy measured for its kind.
 
         The samples are :data:`CALIBRATE_CHARS` chars of the bundled sample sessions (ASCII) and the same
         with one non-ASCII char (:data:`_NON_ASCII`, in turn) every 1000 chars, each encoded
@@ -838,7 +839,7 @@ class ChunkedEncoder:
 
         On a pool worker (``pool`` given) the chunk is encoded in pieces of about :data:`PIECE_CHARS` cut at
         stable cuts (:meth:`grid`), one engine call each: the engine converts each piece to UTF-8 under the
-        GIL (~0.15 ms), so a repair on another thread waits for the GIL at most that long, and while the
+        GIL (~0.2-0.4 ms), so a repair on another thread waits for the GIL at most that long, and while the
         pool has a repair active this thread also sleeps 0 s between pieces (as :meth:`_utf8_chunks` does).
         The engine's ``UnicodeEncodeError`` on a lone surrogate is the surrogate check. A piece holding a
         guarded code point, or one the engine fails on, goes to the reference alone.

@@ -147,8 +147,8 @@ class Handler:
         ``verifier_rate``, ``verifier_first_n``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``;
         the CPU pool's ``pool_workers`` (0 = one per core), ``pool_express`` (threads that run only session
         repairs), ``pool_nice`` (added to the general workers' nice value), ``pool_pin`` (1: pin chunk workers),
-        ``chunk_chars`` (0 = ``ChunkedEncoder.step``'s default), ``parallel_min_chars`` (chunked full encode, chars)
-        and ``long_text_strategy`` (``auto``: measured at load, per kind of text; ``chunks`` or ``whole``; see
+        ``chunk_chars`` (0 = ``ChunkedEncoder.step``'s default), ``parallel_min_chars`` (chunked full encode,
+        chars) and ``long_text_strategy`` (``auto``: measured at load, per kind of text; ``chunks`` or ``whole``; see
         ``toktier_backend.parallel``);
         for a ``toktier_encode`` instance of kind ``"GPU"``: ``gpu_engine`` (``"auto"``: GPU engine on
         ``device_id`` when it loads and passes the canary, else the CPU; ``"off"``), ``gpu_crossover_chars``
@@ -161,7 +161,8 @@ class Handler:
         Raises:
             tt.UnsupportedTokenizer: the file cannot be served; the model then fails to load.
             ValueError: a parameter is not a number where one is needed, ``gpu_engine`` is not ``auto`` /
-                ``off``, or ``long_text_strategy`` not ``auto`` / ``chunks`` / ``whole`` (names the parameter). A GPU engine that cannot load never raises: it is logged and
+                ``off``, or ``long_text_strategy`` not ``auto`` / ``chunks`` / ``whole`` (names the
+                parameter). A GPU engine that cannot load never raises: it is logged and
                 counted, and the instance serves from the CPU.
         """
 
