@@ -10,12 +10,14 @@ drained): an idle gap slows the next encode on this VM, so only equal gaps compa
 - ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with none of our parallel machinery
   (``chunked.min_chars`` infinite, strategy ``"chunks"``): validation, guard check, one whole-text engine
   call on the calling thread, serial: in a child process whose fastokens runs on one thread
-  (:class:`ChildProcess`; in this process one fastokens call may already use both cores);
+  (:class:`ChildProcess`);
 - ``ours_par``: the same call with the shipped settings (``toktier_backend.parallel``): the strategy the
   tokenizer's calibration chose at ``prepare()`` (printed per file): ``chunks`` (from ``parallel.MIN_CHARS``
-  up, cut at stable cuts, one chunk per worker of the shared pool, on workers pinned to distinct CPUs) or
-  ``whole`` (from ``parallel.WHOLE_PIN_MIN_CHARS`` up, one engine call with the caller and fastokens'
-  helper thread pinned to distinct CPUs);
+  up, cut at stable cuts into tasks of the shared pool, on workers pinned to distinct CPUs while they run
+  one: fastokens, a task per ``parallel.PIECE_CHARS`` piece; gigatoken, one chunk per worker), the only
+  choice with fastokens' helper off (our default), or ``whole`` (where a user turned the helper on: from
+  ``parallel.WHOLE_PIN_MIN_CHARS`` up, one engine call with the caller and fastokens' helper thread pinned
+  to distinct CPUs);
 - ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``parallel.py``);
 - ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k), in a
   child process of its own with fastokens' defaults (:class:`ChildProcess`);
@@ -106,19 +108,18 @@ def load_ours(path: Path, *, parallel: bool):
 class ChildProcess:
     """One fresh-encode column in a child process of its own: ``encode(text) -> (ms, ids)``.
 
-    Two columns run this way, because one fastokens 0.3.5 process shares one helper thread between every
-    fastokens object in it (it hands part of a call to that thread on gpt2, llama3_1, deepseek_v3) and
-    reads its thread count once, from ``FASTOKENS_BPE_THREADS``:
+    Two columns run this way, because fastokens 0.3.5 reads its thread count once per process, from
+    ``FASTOKENS_BPE_THREADS``, and shares one helper thread between every fastokens object in it (it hands
+    part of a call to that thread on gpt2, llama3_1, deepseek_v3); importing our engine sets the variable to
+    1 unless it was set (``engines/fastokens.py``):
 
-    - ``ours``, serial (``kind="ours_serial"``): in this process a single call already uses both cores
-      through the helper: the engine's parallelism, not a serial encode. The child sets
-      ``FASTOKENS_BPE_THREADS=1``. (Pinning the caller and the helper to one CPU instead was unfair the other
-      way: the waiting helper shares the CPU's time slices: gpt2 100K chars p90 11.9 ms vs 1.0.)
-    - ``fastokens`` (``kind="fastokens"``): in this process its calls share the helper thread with
-      ``ours parallel``, whose ``whole`` strategy pins that thread to the other CPU and gives it back after;
-      the anchor's next call then found its helper already on the other core, as it would not on its own
-      (the anchor 12.8-17.6 ms at 4M chars here vs 14.9-16.5 in its own process the same hour). Its child
-      keeps fastokens' defaults, as a user of fastokens would run it.
+    - ``ours``, serial (``kind="ours_serial"``): a process of its own, with ``FASTOKENS_BPE_THREADS=1``
+      (our default, set explicitly), no pool threads and no other engine's threads: one call on one thread.
+      (Until 2026-12-01 the helper was on by default: in this process one call then used both cores.)
+    - ``fastokens`` (``kind="fastokens"``): fastokens' own defaults (helper on), as a user of fastokens would
+      run it: the child drops the variable our engine set in this process before the anchor's first call.
+      In this process it would also have shared its helper with ``ours parallel`` when a user turned the
+      helper on for ours.
 
     The child times its own call the same way (a fresh ``str``, GC off; ours: the prefix index drained
     after, untimed) and sends back the ms and the ids. ``reason`` is set (and ``encode`` must not be
@@ -146,6 +147,7 @@ class ChildProcess:
 
 
 def _child_main(kind: str, path: str, env: dict, conn) -> None:
+    os.environ.pop("FASTOKENS_BPE_THREADS", None)  # (inherited: our engine sets it in the parent)
     os.environ.update(env)  # (before the engine's first encode, which reads it)
     A.ensure_repo_on_path()
     tok = None

@@ -41,28 +41,35 @@ qwen3 4M 14.8 vs 12.8 ms, gpt2 14.3 vs 11.6 (the woken worker pinned itself to t
 caller then shared it).
 
 **The engines' own parallel paths, and which is kept** (issue #4: "measure both and keep the faster").
-fastokens 0.3.5 hands part of one call's work to a helper thread of its own on some files (gpt2, llama3_1,
-deepseek_v3; never on qwen3, whose normalizer is NFC), and only when the scheduler runs that thread on the
-other core: after an idle gap it woke on the caller's core in most calls (gpt2 4M chars: 14.2 ms p50,
-CPU time = wall time). Pinned to distinct CPUs for the call (:func:`_pinned_call`), the same call took
-9.9 ms. So a long text is encoded one of two ways, the *strategy*:
+fastokens 0.3.5 can hand part of one call's work to a helper thread of its own (``FASTOKENS_BPE_THREADS``,
+read once per process; on gpt2, llama3_1, deepseek_v3, never on qwen3, whose normalizer is NFC), and only
+when the scheduler runs that thread on the other core: after an idle gap it woke on the caller's core in
+most calls (gpt2 4M chars: 14.2 ms p50, CPU time = wall time); pinned to distinct CPUs for the call
+(:func:`_pinned_call`), the same call took 9.9 ms. Measured against our pieces, the helper lost: each
+256K-char piece also handed work to the one helper, which spins after a call on the core the other pool
+worker needs. Each system in its own process, interleaved, 0.2 s gaps, 4M chars of agent text, n=30, p50
+ms, pieces with the helper off / the best with it on (pieces, or one whole call with the helper pinned):
+gpt2 11.77 / 13.01, llama3_1 10.79 / 11.14, deepseek_v3 11.28 / 11.62, qwen3 12.10 / 12.81. So importing
+our fastokens engine turns the helper off (``FASTOKENS_BPE_THREADS=1`` unless the process set it:
+``engines/fastokens.py``), and the pool runs all of a long text's work, under its priorities and nice
+value. Where a process turns the helper on, or its fastokens encoded before our import, a long text is
+encoded one of two ways, the *strategy*:
 
-- ``"chunks"``: cut at stable cuts, the pieces or chunks on the pool (above);
+- ``"chunks"``: cut at stable cuts, the pieces or chunks on the pool (above); the only one without helpers;
 - ``"whole"``: one engine call on the calling thread, the caller and the engine's helper threads pinned to
   distinct CPUs (:meth:`ChunkedEncoder._encode_whole`; from :data:`WHOLE_PIN_MIN_CHARS`).
 
-Which is faster depends on the file and on whether the text is ASCII (CPython keeps an ASCII ``str`` as
-its own UTF-8, so only there is the engine's conversion free), so :meth:`ChunkedEncoder.calibrate` measures
-both at load, on an ASCII and a non-ASCII sample, and each request takes the faster for its kind.
-Interleaved per sample (0.2 s idle gaps, 4M chars of agent text, n=24, two processes, p50 ms, whole /
-chunks / the fastokens anchor; before the chunks became piece tasks): gpt2 14.2 / 15.4 / 18.0 and 12.7 /
-13.5 / 17.1, deepseek_v3 16.1 / 16.6 / 18.1 and 13.0 / 16.5 / 16.3, llama3_1 12.8 / 16.6 / 16.1 and 12.2 /
-15.1 / 16.9; qwen3
-(no helper work) whole 18.6 vs chunks 11.6. With ``"whole"`` the engine's helper threads do part of the
-work outside the pool: the pool's priorities and nice value do not reach them (mixed load, gpt2: repair
-p99 0.56 ms while 4M-char encodes ran back to back, 0.50 idle). Handing fastokens 256K-char pieces instead
-of whole 2M-char chunks cost nothing measurable (qwen3 4M 11.6 vs 12.2 ms, gpt2 12.6 vs 13.3); handing it
-the whole text in such pieces did (gpt2 4M 11.3 vs 10.2 ms), so ``"whole"`` is one call.
+Which is faster then depends on the file and on whether the text is ASCII (CPython keeps an ASCII ``str``
+as its own UTF-8, so only there is the engine's conversion free), so :meth:`ChunkedEncoder.calibrate`
+measures both at load, on an ASCII and a non-ASCII sample, and each request takes the faster for its kind.
+Interleaved per sample (0.2 s idle gaps, 4M chars of agent text, n=24, two processes, helper on, p50 ms,
+whole / chunks / the fastokens anchor; before the chunks became piece tasks): gpt2 14.2 / 15.4 / 18.0 and
+12.7 / 13.5 / 17.1, deepseek_v3 16.1 / 16.6 / 18.1 and 13.0 / 16.5 / 16.3, llama3_1 12.8 / 16.6 / 16.1 and
+12.2 / 15.1 / 16.9; qwen3 (no helper work) whole 18.6 vs chunks 11.6. With ``"whole"`` the engine's
+helper threads do part of the work outside the pool: the pool's priorities and nice value do not reach
+them (mixed load, gpt2: repair p99 0.56 ms while 4M-char encodes ran back to back, 0.50 idle). Handing
+fastokens the whole text in 256K-char pieces in one thread was slower than one call (gpt2 4M 11.3 vs 10.2
+ms), so ``"whole"`` is one call.
 gigatoken's ``encode_batch(parallel=True)`` encodes a list of documents on its rayon pool, grouping
 consecutive documents into work units of at least 2 MiB (two 2.0 MB documents make one unit, on one
 thread) and splitting a single larger document at its own "pretoken-safe" boundaries, which we have not
@@ -591,8 +598,9 @@ class ChunkedEncoder:
         return the strategy: ``"whole"`` or ``"chunks"`` when both kinds of text agree, else ``"by_kind"``
         (each request by its text's kind). What was measured is kept in :attr:`calibration`.
 
-        Why measure: fastokens 0.3.5 splits one call's work with a helper thread of its own on some files
-        (gpt2, llama3_1, deepseek_v3) and not on others (qwen3), and which is faster differs per file. With
+        Why measure: where the process turned fastokens' helper thread on (it is off by default, see the
+        module docstring), fastokens 0.3.5 splits one call's work with it on some files (gpt2, llama3_1,
+        deepseek_v3) and not on others (qwen3), and which is faster differs per file. With
         the caller and the helper pinned to distinct CPUs, one call beat two chunks on llama3_1 (4M chars,
         2 cores, interleaved, p50, n=24: 12.2 vs 15.1 ms) and lost on qwen3 (18.6 vs 11.6; the module
         docstring has the rest). Both are exact by construction. ``"chunks"`` without measuring when the
@@ -837,15 +845,18 @@ class ChunkedEncoder:
         """Body ids of the chunk ``text[a:b]`` for an engine that takes ``str`` (fastokens), and whether the
         reference produced any of them.
 
-        On a pool worker (``pool`` given) the chunk is encoded in pieces of about :data:`PIECE_CHARS` cut at
-        stable cuts (:meth:`grid`), one engine call each: the engine converts each piece to UTF-8 under the
-        GIL (~0.2-0.4 ms), so a repair on another thread waits for the GIL at most that long, and while the
-        pool has a repair active this thread also sleeps 0 s between pieces (as :meth:`_utf8_chunks` does).
+        On a pool worker (``pool`` given) a chunk of at least twice :data:`PIECE_CHARS` (``chunk_chars`` set
+        larger, or grid points with no cut near them) is encoded in pieces of about :data:`PIECE_CHARS` cut
+        at stable cuts (:meth:`grid`), one engine call each (a grid span is up to ``search_chars`` longer
+        than its step: re-cutting it would add a call for a sliver). The engine converts each piece to
+        UTF-8 under the GIL (~0.2-0.4 ms), so a repair on another thread waits for the GIL at most that long,
+        and while the pool has a repair active this thread also sleeps 0 s between pieces (as
+        :meth:`_utf8_chunks` does).
         The engine's ``UnicodeEncodeError`` on a lone surrogate is the surrogate check. A piece holding a
         guarded code point, or one the engine fails on, goes to the reference alone.
         """
         a, b = span
-        cuts = self.grid(text, a, b, PIECE_CHARS) if pool is not None and b - a > PIECE_CHARS else [a, b]
+        cuts = self.grid(text, a, b, PIECE_CHARS) if pool is not None and b - a >= 2 * PIECE_CHARS else [a, b]
         adm = self.tok.admission
         parts, ref = [], False
         for x, y in zip(cuts[:-1], cuts[1:]):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import threading
 import time
 
@@ -24,6 +25,10 @@ from toktier_backend import corpus, parallel
 from toktier_backend.parallel import CHUNK, REPAIR, ChunkedEncoder, CpuPool
 
 from ..conftest import NAMES, load, reference, tokenizer_path
+
+#: Set (with ``FASTOKENS_BPE_THREADS=2``) by :func:`test_with_fastokens_helper_threads` for the run of this
+#: module's whole-call tests in a process of their own, where fastokens starts its helper thread.
+HELPERS_RUN = os.environ.get("TOKTIER_TEST_FASTOKENS_HELPERS") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +267,8 @@ def test_whole_strategy_is_exact_and_pins_only_while_it_runs(name, corpus_text, 
     ids, _ = enc.encode_span(text, 0, len(text))
     assert ids.tolist() == hf_ids(name, text)
     allowed = os.sched_getaffinity(0)
+    if tok.engine.name == "fastokens":  # helpers only where the process asked for them (engines/fastokens.py)
+        assert bool(helpers) == HELPERS_RUN, (helpers, os.environ.get("FASTOKENS_BPE_THREADS"))
     if helpers and len(allowed) > 1:  # pinned while the engine ran: caller and helpers on distinct CPUs
         mine, theirs = seen[0]
         assert len(mine) == 1 and all(len(t) == 1 and t != mine for t in theirs), seen[0]
@@ -285,6 +292,8 @@ def test_calibration_measures_both_ways_and_keeps_the_faster():
         assert enc.strategy == cal["chosen"] in ("whole", "chunks", "by_kind")
         if tok.engine.name == "gigatoken":  # one thread per call: nothing to measure
             assert cal["chosen"] == "chunks" and "reason" in cal
+        elif not HELPERS_RUN:  # fastokens' helpers are off by default: the pool does all the work
+            assert cal == {"chosen": "chunks", "reason": "the engine starts no helper threads"}
         elif len(os.sched_getaffinity(0)) > 1:
             assert cal["sample_chars"] == parallel.CALIBRATE_CHARS
             for kind in ("ascii", "non_ascii"):
@@ -304,6 +313,40 @@ def test_calibration_measures_both_ways_and_keeps_the_faster():
         ChunkedEncoder(tok, strategy="by_kind")  # (only a calibration chooses it)
     with pytest.raises(ValueError, match="strategy"):
         ChunkedEncoder(tok, strategy="both")
+
+
+def test_fastokens_helper_threads_are_off_unless_the_process_asks():
+    """Importing the engine sets ``FASTOKENS_BPE_THREADS=1`` unless the process set it, so fastokens starts
+    no helper thread and a long text's pieces run on the pool alone (``engines/fastokens.py`` has the
+    measurements); a value the process set is kept."""
+    import subprocess
+    import sys
+
+    code = ("import os, toktier_backend as tt; t = tt.load_tokenizer(); t.encode('x ' * 300_000); "
+            "print(os.environ['FASTOKENS_BPE_THREADS'], len(t.engine.helper_threads()))")
+    for given, want in ((None, "1 0"), ("2", "2 1")):
+        env = {k: v for k, v in os.environ.items() if k != "FASTOKENS_BPE_THREADS"}
+        if given is not None:
+            env["FASTOKENS_BPE_THREADS"] = given
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\n")[-2] == want, (given, out.stdout, out.stderr)
+
+
+@pytest.mark.skipif(HELPERS_RUN, reason="(this is the run it starts)")
+def test_with_fastokens_helper_threads():
+    """The whole-call strategy and its calibration where fastokens' helper thread runs (a process that sets
+    ``FASTOKENS_BPE_THREADS=2``): this module's tests for them, rerun in a process of their own, where
+    :data:`HELPERS_RUN` makes them assert that the helper exists and is pinned during the call."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FASTOKENS_BPE_THREADS="2", TOKTIER_TEST_FASTOKENS_HELPERS="1")
+    sel = "calibration or by_kind or whole_strategy and (gpt2 or llama3_1 or deepseek_v3 or qwen3)"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", sel],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert re.search(r"^6 passed, \d+ deselected", out.stdout, re.M), out.stdout[-2000:]
 
 
 def test_by_kind_strategy_routes_each_text_by_its_kind_and_stays_exact(corpus_text, pool):

@@ -14,6 +14,20 @@ import os
 
 import numpy as np
 
+#: fastokens' helper threads (``FASTOKENS_BPE_THREADS``, read once, at the process's first fastokens encode)
+#: are off unless the user set the variable: our pool runs every core's share of a long text, as pieces cut
+#: at stable cuts (``parallel.py``). With the helper on, each 256K-char piece also handed work to the one
+#: helper thread, which spins after each call for more, on the core the other pool worker needs. Each
+#: system in its own process, interleaved, 0.2 s idle gaps, 4M chars of agent text, n=30, p50 ms, pieces
+#: with the helper off / the shipped choice with it on (pieces, or one whole call with the helper pinned) /
+#: one whole call with it on: gpt2 11.77 / 13.01 / 13.51, llama3_1 10.79 / 12.25 / 11.14, deepseek_v3
+#: 11.28 / 11.62 / 11.71, qwen3 12.10 / 12.81 / 17.22; at 1M chars (n=24) gpt2 3.81 / 4.34, qwen3 4.92 /
+#: 5.22. Set by ``setdefault``: a process that sets it keeps its value (``ChunkedEncoder.calibrate`` then
+#: measures one whole call with the helpers against the pieces), and a process whose fastokens already
+#: encoded before this import keeps the pool it started.
+BPE_THREADS_DEFAULT = "1"
+os.environ.setdefault("FASTOKENS_BPE_THREADS", BPE_THREADS_DEFAULT)
+
 try:
     import fastokens as _fastokens
 except ImportError as e:  # pragma: no cover
@@ -27,11 +41,12 @@ class FastokensEngine:
     Threads: ``encode_batch_flat`` converts the ``str`` to UTF-8 under the GIL (CPython's
     ``PyUnicode_AsUTF8AndSize``: ~0.6 ns/char for non-ASCII text, free for ASCII), then releases the GIL
     while Rust runs. One object serves any number of threads at once (two threads encoding 2M chars each on
-    one object took as long as one 2M encode). fastokens also starts one helper thread of its own on the
-    first encode in the process (the process then has one more OS thread) and may split a call's work with
-    it (on gpt2, llama3_1, deepseek_v3; not on qwen3); that thread inherits the CPU affinity and nice value
-    of the thread that made the first call, so the first call should come from an unpinned thread (the
-    admission canary, at load, is that call). See :meth:`helper_threads`.
+    one object took as long as one 2M encode). With ``FASTOKENS_BPE_THREADS`` above 1 (this module sets 1
+    unless the process set it: :data:`BPE_THREADS_DEFAULT`), fastokens also starts a helper thread of its own
+    on the first encode in the process and may split a call's work with it (on gpt2, llama3_1, deepseek_v3;
+    not on qwen3); that thread inherits the CPU affinity and nice value of the thread that made the first
+    call, so the first call should come from an unpinned thread (the admission canary, at load, is that
+    call). See :meth:`helper_threads`.
     The segment cache is turned off (``FASTOKENS_SEGMENT_CACHE`` would turn it on at construction): session
     repair already skips repeated text, and the guard tables were computed without it.
     """
