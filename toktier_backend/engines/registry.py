@@ -23,8 +23,9 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 #: 3.6-4.9 vs 4.1-5.8 ms, 4M chars chunked on two cores 10.9-12.3 vs 13.4-17.2 ms; and it agrees with HF on
 #: every code point of those files (empty guard sets). One exception since: on one thread, on the SWE-agent
 #: corpus text (non-ASCII here and there), gigatoken was faster for gpt2 (2M chars 6.70 vs 7.70 ms; a tie
-#: for llama3_1, fastokens ahead for deepseek_v3 8.08 vs 10.28); fastokens stays first for every file, so
-#: gpt2's long texts run at parity with gigatoken (issue #4's notes). gigatoken serves the files fastokens
+#: for llama3_1, fastokens ahead for deepseek_v3 8.08 vs 10.28); fastokens stays first for every file: with
+#: its helper thread off, its pieces on our pool beat gigatoken's one thread on gpt2 too (4M chars, p50:
+#: 10.9 vs 13.7 ms, ``bench/README.md``). gigatoken serves the files fastokens
 #: cannot load (cl100k_base, o200k_base). Both are canaried and guarded per file (``admission.py``).
 FAST_ENGINE_ORDER = ("fastokens", "gigatoken")
 
