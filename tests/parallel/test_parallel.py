@@ -608,6 +608,17 @@ def test_default_step_is_one_chunk_per_worker_up_to_chunk_chars():
     enc = ChunkedEncoder(fk, pool=CpuPool(2, name="test-step-str2"), min_chars=0)
     assert len(enc.bounds(text)) - 1 == -(-len(text) // parallel.PIECE_CHARS)
     assert enc.encode_body(text)[0].tolist() == hf_ids("gpt2", text)
+    # one engine call per piece: a span a few chars over PIECE_CHARS (its cut fell before its grid point,
+    # the next one on it) is not re-cut into a piece and a sliver
+    text = corpus.long_session_text(1_100_000)
+    b = enc.bounds(text)
+    assert any(y - x > parallel.PIECE_CHARS for x, y in zip(b[:-1], b[1:])), b
+    calls = []
+    real = enc._encode
+    enc._encode = lambda piece: calls.append(len(piece)) or real(piece)
+    assert enc.encode_body(text)[0].tolist() == hf_ids("gpt2", text)
+    assert sorted(calls) == sorted(y - x for x, y in zip(b[:-1], b[1:]))
+    enc.pool.shutdown()
     tok = load("gpt2", engine="gigatoken")
     for workers in (1, 2, 3):
         p = CpuPool(workers, name="test-step")
