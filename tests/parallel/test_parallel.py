@@ -26,9 +26,10 @@ from toktier_backend.parallel import CHUNK, REPAIR, ChunkedEncoder, CpuPool
 
 from ..conftest import NAMES, load, reference, tokenizer_path
 
-#: Set (with ``FASTOKENS_BPE_THREADS=2``) by :func:`test_with_fastokens_helper_threads` for the run of this
-#: module's whole-call tests in a process of their own, where fastokens starts its helper thread.
-HELPERS_RUN = os.environ.get("TOKTIER_TEST_FASTOKENS_HELPERS") == "1"
+#: Does fastokens start its helper thread in this process? Only where the environment asked for more than one
+#: thread (our engine sets ``FASTOKENS_BPE_THREADS=1`` unless it was set): as in the run of this module's
+#: whole-call tests that :func:`test_with_fastokens_helper_threads` starts in a process of its own.
+HELPERS_RUN = os.environ.get("FASTOKENS_BPE_THREADS", "1") != "1"
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +342,7 @@ def test_with_fastokens_helper_threads():
     import subprocess
     import sys
 
-    env = dict(os.environ, FASTOKENS_BPE_THREADS="2", TOKTIER_TEST_FASTOKENS_HELPERS="1")
+    env = dict(os.environ, FASTOKENS_BPE_THREADS="2")
     sel = "calibration or by_kind or whole_strategy and (gpt2 or llama3_1 or deepseek_v3 or qwen3)"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", sel],
                          env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
