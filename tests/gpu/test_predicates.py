@@ -9,7 +9,6 @@ of ``shared/corpus/swe-agent``, and on random mixed-script strings; literal span
 from __future__ import annotations
 
 import itertools
-import os
 import random
 
 import numpy as np
@@ -91,30 +90,36 @@ def test_random_mixed_scripts(name):
     assert mismatches(name, strings) == []
 
 
-@pytest.mark.parametrize("stride", [
-    5,  # every 5th scalar value (222,413 of them; the offset differs per file): runs in every CI, ~10 s each
-    pytest.param(1, marks=[pytest.mark.slow, pytest.mark.skipif(
-        not os.environ.get("TOKTIER_SLOW"), reason="all scalar values, ~3.5 min: set TOKTIER_SLOW=1")]),
-])
-@pytest.mark.parametrize("name", ["gpt2", "llama3_1", "qwen3", "deepseek_v3"])
-def test_every_code_point_in_context(name, stride):
-    """Scalar values in 7 contexts (``stride`` 1: all 1,112,064, opt-in; 5: a sample from a per-file offset,
-    in every run): the class tables are HF's own."""
+SWEEP = ["gpt2", "llama3_1", "qwen3", "deepseek_v3"]
+#: Where the literal (not probed) class bits live, swept for every file: all of ASCII (CRLF, SPACE, APOS,
+#: AP, AL) and each end of DeepSeek-V3's CJK ranges with its neighbours.
+LITERAL_EDGES = np.array(sorted(set(range(0x80)) | {e + d for e in (0x4E00, 0x9FA5, 0x3040, 0x309F, 0x30A0, 0x30FF)
+                                                    for d in (-1, 0, 1)}), dtype=np.uint32)
+
+
+@pytest.mark.parametrize("name", SWEEP)
+def test_every_code_point_in_context(name):
+    """Every scalar value in 7 contexts, in every run: each of the four files takes every 4th of the
+    1,112,064 from its own offset (so together they check each one once) plus :data:`LITERAL_EDGES`. A
+    code point enters the predicates only through its class bits: the probed ones are checked for every
+    code point by the next test, and the per-family rules over the bits exhaustively on the hazard
+    alphabets above."""
     from toktier_backend.gpu.unicode_tables import _scalar_values
 
     pt = reference(name).pre_tokenizer
-    offset = ["gpt2", "llama3_1", "qwen3", "deepseek_v3"].index(name) % stride
+    cps = np.union1d(_scalar_values()[SWEEP.index(name)::len(SWEEP)], LITERAL_EDGES).astype(np.uint32)
     for ctx in ["a{}b", " {}{}", "1{}\u0301", "\n{}'s ", ".{} x", "{}\t{}a", "中{}"]:
-        for part in np.array_split(_scalar_values()[offset::stride], 8):
+        for part in np.array_split(cps, 8):
             s = "".join(ctx.format(c, c) for c in part.tobytes().decode("utf-32-le"))
             assert P.spans(FAMILY[name], s) == [o for _, o in pt.pre_tokenize_str(s)], ctx
 
 
 def test_shipped_class_tables_match_installed_tokenizers():
-    """The shipped tables (``_class_data``) against a fresh probe of two classes with this ``tokenizers``."""
+    """The shipped tables (``_class_data``) against a fresh probe of every class and case-folded letter,
+    over every scalar value, with this ``tokenizers``."""
     from toktier_backend.gpu import unicode_tables as ut
 
-    cps = ut._scalar_values()
-    for name in ("WS", "N"):
-        fresh = ut._probe(ut._PROBES[name], cps)
-        assert ut._ranges(fresh) == ut._probed()[name]
+    fresh, shipped = ut.compute_probes(), ut._probed()
+    assert sorted(fresh) == sorted(shipped) and len(fresh) > len(ut._PROBES)
+    for name in fresh:
+        assert fresh[name] == shipped[name], name
