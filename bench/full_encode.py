@@ -115,7 +115,7 @@ class ChildProcess:
 
     - ``ours``, serial (``kind="ours_serial"``): a process of its own, with ``FASTOKENS_BPE_THREADS=1``
       (our default, set explicitly), no pool threads and no other engine's threads: one call on one thread.
-      (Until 2026-12-01 the helper was on by default: in this process one call then used both cores.)
+      (Before e27fcfa the helper was on by default: in this process one call then used both cores.)
     - ``fastokens`` (``kind="fastokens"``): fastokens' own defaults (helper on), as a user of fastokens would
       run it: the child drops the variable our engine set in this process before the anchor's first call.
       In this process it would also have shared its helper with ``ours parallel`` when a user turned the
