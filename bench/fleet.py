@@ -1,6 +1,6 @@
 """Fleet throughput: requests/s and latency percentiles of 1, 2 and 3 replicas behind nginx, on loopback.
 
-Per configuration: :class:`~toktier_backend.serving.fleet.Fleet` starts N replicas and nginx; ``--procs``
+Per configuration: :class:`~toktier_backend.deploy.fleet.Fleet` starts N replicas and nginx; ``--procs``
 client processes x ``--threads`` threads (one ``SessionClient`` each, gRPC, through nginx) run agent sessions
 back to back: open with a system line and the first turn of a bundled SWE-agent trajectory, then
 ``--steps`` appends of the next turns (``MODE=delta``, ``REPLY=patch``), END, next session (a new key, so
@@ -58,7 +58,7 @@ def _client_proc(url: str, threads: int, steps: int, t_start: float, t_end: floa
     that started after ``t_start`` go back through ``q`` with the session and mismatch counts."""
     import tokenizers
 
-    from toktier_backend.serving.client import SessionClient
+    from toktier_backend.client import SessionClient
 
     ref = tokenizers.Tokenizer.from_file(str(TOKENIZER))
     trajectories = _pieces()
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = ap.parse_args(argv)
 
-    from toktier_backend.serving.fleet import Fleet
-    from toktier_backend.serving.server import TritonServer
+    from toktier_backend.deploy.fleet import Fleet
+    from toktier_backend.deploy.server import TritonServer
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,14 +11,14 @@ drained): an idle gap slows the next encode on this VM, so only equal gaps compa
   (``chunked.min_chars`` infinite, strategy ``"chunks"``): validation, guard check, one whole-text engine
   call on the calling thread, serial: in a child process whose fastokens runs on one thread
   (:class:`ChildProcess`);
-- ``ours_par``: the same call with the shipped settings (``toktier_backend.parallel``): the strategy the
+- ``ours_par``: the same call with the shipped settings (``toktier_backend.pipeline.chunked``): the strategy the
   tokenizer's calibration chose at ``prepare()`` (printed per file): ``chunks`` (from ``parallel.MIN_CHARS``
   up, cut at stable cuts into tasks of the shared pool, on workers pinned to distinct CPUs while they run
   one: fastokens, a task per ``parallel.PIECE_CHARS`` piece; gigatoken, one chunk per worker), the only
   choice with fastokens' helper off (our default), or ``whole`` (where a user turned the helper on: from
   ``parallel.WHOLE_PIN_MIN_CHARS`` up, one engine call with the caller and fastokens' helper thread pinned
   to distinct CPUs);
-- ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``parallel.py``);
+- ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``pipeline/chunked.py``);
 - ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k), in a
   child process of its own with fastokens' defaults (:class:`ChildProcess`);
 - ``toktier_chunked``: toktier 0.3.0 ``toktier.chunked.encode`` (qwen3, deepseek_v3, llama3_1 only);
@@ -358,7 +358,7 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
 def _repair_stream(s, deltas: list[str], n: int, pool, rng: random.Random, gap_ms: tuple[float, float],
                    stop: threading.Event | None = None) -> list[float]:
     """``n`` appends, each submitted at REPAIR priority after a random gap; returns their latencies (ms)."""
-    from toktier_backend.parallel import REPAIR
+    from toktier_backend.runtime.pool import REPAIR
 
     lat = []
     for k in range(n):
@@ -382,7 +382,7 @@ def mixed_once(path: Path, folder: Path, *, mode: str, size: int, n: int, base_c
     import tokenizers
 
     import toktier_backend as tt
-    from toktier_backend.parallel import CpuPool
+    from toktier_backend.runtime.pool import CpuPool
 
     # fifo: the plain FIFO pool (one worker per core); priority: the shared pool as a toktier_session
     # process configures it (repairs first, one express thread, general workers at nice +5, pinned on chunks)
@@ -437,9 +437,9 @@ def _encoder_process(path: str, folder: str, size: int, nice: int, ready, stop) 
     """Another process looping fresh encodes on its own pool (``toktier_encode`` beside ``toktier_session``)."""
     sys.path.insert(0, str(A.REPO))
     import toktier_backend as tt
-    from toktier_backend import parallel
+    from toktier_backend.runtime import pool as runtime_pool
 
-    parallel.configure_shared_pool(nice=nice)
+    runtime_pool.configure_shared_pool(nice=nice)
     tok = tt.load_tokenizer(path)
     tok.prefix_index = None
     texts = sample_texts(size, 3, Path(folder))
@@ -456,7 +456,7 @@ def mixed_processes(path: Path, folder: Path, *, size: int, n: int, base_chars: 
     import multiprocessing as mp
 
     import toktier_backend as tt
-    from toktier_backend.parallel import CpuPool
+    from toktier_backend.runtime.pool import CpuPool
 
     pool = CpuPool(name="bench-session")
     tok = tt.load_tokenizer(path)
@@ -587,7 +587,7 @@ def run_pathological(args, shared: Path, results: dict) -> int:
 # -- tuning -------------------------------------------------------------------------------------------
 
 def run_tune(args, shared: Path, folder: Path, results: dict) -> None:
-    from toktier_backend.parallel import ChunkedEncoder
+    from toktier_backend.pipeline.chunked import ChunkedEncoder
 
     out = {}
     for name in args.tokenizers.split(","):

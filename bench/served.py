@@ -82,7 +82,7 @@ def timed_ms(fn) -> tuple[float, object]:
 
 
 def run_face(face: str, server, base: str, deltas: list[str], warmup: int, floor_n: int) -> dict:
-    from toktier_backend.serving.client import SessionClient
+    from toktier_backend.client import SessionClient
 
     kind = "native" if face == "native" else "pytriton"
     c = SessionClient(server.grpc_url, face=kind, reply="patch")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = ap.parse_args(argv)
 
-    from toktier_backend.serving.server import PyTritonServer, TritonServer
+    from toktier_backend.deploy.server import PyTritonServer, TritonServer
 
     t0 = time.time()
     base = session_base(args.context)

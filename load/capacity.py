@@ -66,7 +66,7 @@ logging.getLogger("locust.runners").addFilter(lambda r: "spawn rate is very high
 def combined_repository(routes: list[str]) -> Path:
     """A model repository with the models ``routes`` need: ours from the project's ``model_repository/``,
     ``toktier_encode_hf`` from ``load/models/``."""
-    from toktier_backend.serving.server import DEFAULT_MODEL_REPOSITORY
+    from toktier_backend.deploy.server import DEFAULT_MODEL_REPOSITORY
 
     dst = Path(tempfile.mkdtemp(prefix="toktier-load-models-"))
     for route in routes:
@@ -77,7 +77,7 @@ def combined_repository(routes: list[str]) -> Path:
 
 
 def start_server(args, routes: list[str], out: Path):
-    from toktier_backend.serving.server import TritonServer
+    from toktier_backend.deploy.server import TritonServer
 
     repo = combined_repository(routes)
     server = TritonServer(

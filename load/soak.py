@@ -7,7 +7,7 @@ RSS flat after warm-up (the last third's median within ``--flat-tolerance`` of t
 
 Sessions replay SWE-agent trajectories turn by turn (``toktier_backend.corpus``; the bundled sample, or
 ``--corpus DIR``): START with the first turn's whole text, then each turn's new text as a delta with a patch
-reply, through :class:`~toktier_backend.serving.client.SessionClient` (which re-opens evicted sessions by
+reply, through :class:`~toktier_backend.client.SessionClient` (which re-opens evicted sessions by
 resending the whole text). ``--abandon`` of the sessions end without END, so the idle timeout frees them; the
 small ``--budget-bytes`` makes the LRU evict under pressure. Requests are paced globally at ``--rate`` per
 second by a token bucket shared by ``--sessions`` worker threads.
@@ -129,10 +129,10 @@ def main(argv=None) -> int:
     import tokenizers
     import tritonclient.grpc as grpcclient
 
-    from toktier_backend.api import default_tokenizer_path
-    from toktier_backend.serving.client import SessionClient
+    from toktier_backend.tokenizer import default_tokenizer_path
+    from toktier_backend.client import SessionClient
     from toktier_backend.serving.metrics import metric, scrape  # needs prometheus_client (serve extra)
-    from toktier_backend.serving.server import TritonServer
+    from toktier_backend.deploy.server import TritonServer
     from toktier_backend.spec import resolve_path
 
     path = default_tokenizer_path() if args.tokenizer in ("", "default") else resolve_path(args.tokenizer)

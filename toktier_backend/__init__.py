@@ -4,8 +4,8 @@ Sessions keep their text, ids and token offsets, and repair only the tail after 
 cut before the edit; every id equals Hugging Face ``tokenizers``' ``encode(text, add_special_tokens=...)``.
 """
 
-from .api import RepairInfo, Session, Tokenizer, decode_text, default_tokenizer_path, load_tokenizer
-from .errors import EngineUnavailable, InvalidRequest, ToktierError, UnknownSession, UnsupportedTokenizer
+from toktier_backend.tokenizer import RepairInfo, Session, Tokenizer, decode_text, default_tokenizer_path, load_tokenizer
+from toktier_backend.errors import EngineUnavailable, InvalidRequest, ToktierError, UnknownSession, UnsupportedTokenizer
 
 __version__ = "0.1.0"
 

@@ -9,17 +9,17 @@ import sys
 
 def _demo(args) -> int:
     if args.local:
-        from .demo import run_local
+        from toktier_backend.demo import run_local
 
         return 1 if run_local(args.tokenizer, args.sessions) else 0
-    from .demo import run_served
+    from toktier_backend.demo import run_served
 
     return run_served(args.tokenizer, args.sessions, protocol=args.protocol, url=args.url,
                       ready_timeout_s=args.ready_timeout, repeat=args.repeat)
 
 
 def _encode(args) -> int:
-    from .api import load_tokenizer
+    from toktier_backend.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
     text = sys.stdin.read() if args.text is None else args.text
@@ -30,14 +30,14 @@ def _encode(args) -> int:
 def _info(args) -> int:
     import json
 
-    from .api import load_tokenizer
+    from toktier_backend.tokenizer import load_tokenizer
 
     print(json.dumps(load_tokenizer(args.tokenizer).describe(), indent=2))
     return 0
 
 
 def _guard_tables(args) -> int:
-    from .admission import _main
+    from toktier_backend.engines.admission import _main
 
     _main(args.files + (["--cache"] if args.cache else []) + [a for e in args.engine or () for a in ("--engine", e)])
     return 0
@@ -81,15 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine to compute for (repeatable; default: every fast engine that loads the file)")
     p.set_defaults(func=_guard_tables)
     try:  # the serving layer registers `serve` when it is present
-        from .serving.cli_serve import add_serve_parser
+        from toktier_backend.deploy.cli_serve import add_serve_parser
 
         add_serve_parser(sub)
     except ImportError:
         pass
-    from .integrations.cli import add_proxy_parser
+    from toktier_backend.faces.proxy_cli import add_proxy_parser
 
     add_proxy_parser(sub)
-    from .serving.fleet import add_fleet_parser  # stdlib only: replicas + nginx (`toktier fleet`)
+    from toktier_backend.deploy.fleet import add_fleet_parser  # stdlib only: replicas + nginx (`toktier fleet`)
 
     add_fleet_parser(sub)
     return ap

@@ -9,7 +9,7 @@ output ends with the mismatch count, which must be 0.
 sends every turn through the client, one correlation ID per session and mode:
 
 - ``toktier_session`` in full-text mode (``MODE=full``, ``REPLY=full``: the whole conversation so far, all
-  ids back) with :class:`~toktier_backend.serving.client.SessionClient` — the served repair;
+  ids back) with :class:`~toktier_backend.client.SessionClient` — the served repair;
 - ``toktier_session`` in delta mode (``MODE=delta``, ``REPLY=patch``: only the new message, only the ids
   from ``KEEP`` on) — what a client that tracks its text can send;
 - ``toktier_encode`` on the same whole text — the served full re-encode.
@@ -66,8 +66,8 @@ def run_local(tokenizer_spec: str | None, sessions_dir: str | None, *, console=N
     from rich.progress import Progress
     from rich.table import Table
 
-    from .api import load_tokenizer
-    from .corpus import load_turns, trajectory_files
+    from toktier_backend.tokenizer import load_tokenizer
+    from toktier_backend.corpus import load_turns, trajectory_files
 
     console = _console(console)
     tok = load_tokenizer(tokenizer_spec)
@@ -180,9 +180,9 @@ def run_served(
     try:
         import tokenizers
 
-        from .api import default_tokenizer_path
-        from .corpus import load_turns, trajectory_files
-        from .spec import resolve_path
+        from toktier_backend.tokenizer import default_tokenizer_path
+        from toktier_backend.corpus import load_turns, trajectory_files
+        from toktier_backend.spec import resolve_path
 
         path = resolve_path(tokenizer_spec) if tokenizer_spec else default_tokenizer_path()
         reference = tokenizers.Tokenizer.from_file(str(path))
@@ -202,7 +202,7 @@ def run_served(
         else:
             import tritonclient.http as mod
         if url is None:
-            from .serving.server import find_triton_dist
+            from toktier_backend.deploy.server import find_triton_dist
 
             find_triton_dist()
     except (ImportError, FileNotFoundError) as e:
@@ -227,7 +227,7 @@ def run_served(
     results: list[_SessionResult] = []
     try:
         if url is None:
-            from .serving.server import TritonServer
+            from toktier_backend.deploy.server import TritonServer
 
             server = TritonServer(str(path), http_port=0, grpc_port=0, metrics_port=0, log_path=log_path,
                                   exit_timeout_s=5)
@@ -294,7 +294,7 @@ def _log_tail(server) -> str:
 def _replay_session(mod, client, kwargs, url, protocol, session_key, f, turns, refs, timeout_s, server,
                     r: "_SessionResult", progress=None, task=None) -> None:
     """One session through all modes, turn by turn; timings, routes and mismatches go into ``r``."""
-    from .serving.client import SessionClient
+    from toktier_backend.client import SessionClient
 
     full = SessionClient(url, protocol=protocol, client=client, session_id=f"demo-{session_key}-full",
                          reply="full", timeout_s=timeout_s)

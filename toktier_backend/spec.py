@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from .errors import UnsupportedTokenizer
+from toktier_backend.errors import UnsupportedTokenizer
 
 _BYTE_FALLBACK = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 

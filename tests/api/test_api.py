@@ -103,7 +103,7 @@ def test_no_cut_widens_then_full_encode():
     text = "x" * 50_000  # no stable cut anywhere: widen 5 times, then full encode
     s.update(text)
     ids = s.append("y")
-    assert s.last_repair.route == "full" and s.last_repair.widenings == tt.api.WIDENINGS + 1
+    assert s.last_repair.route == "full" and s.last_repair.widenings == tt.tokenizer.WIDENINGS + 1
     assert ids.tolist() == ref.encode(text + "y").ids
 
 
@@ -191,7 +191,7 @@ def test_guard_check_on_utf8_equals_the_check_on_str(name):
     of every UTF-8 length and the file's own guarded code points at every offset modulo 8."""
     import random
 
-    from toktier_backend import admission
+    from toktier_backend.engines import admission
 
     adm = load(name).admission
     rng = random.Random(name)

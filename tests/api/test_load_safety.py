@@ -54,11 +54,11 @@ def test_a_pickle_is_never_unpickled(tmp_path):
 
 
 def test_no_pickle_eval_or_remote_code_in_the_load_and_serve_path():
-    """``integrations/`` is excluded: the vLLM shim implements vLLM's tokenizer interface, which passes
+    """``faces/vllm_tokenizer.py`` is excluded: it implements vLLM's tokenizer interface, which passes
     vLLM's own ``trust_remote_code`` flag through to vLLM; our load path never takes it."""
     pattern = re.compile(r"^\s*(import pickle|from pickle|import marshal|import dill)|\b(eval|exec)\(|trust_remote_code",
                          re.M)
     hits = [f"{p.relative_to(PACKAGE)}: {m.group(0).strip()}" for p in PACKAGE.rglob("*.py")
-            if "integrations" not in p.relative_to(PACKAGE).parts
+            if p.relative_to(PACKAGE).as_posix() != "faces/vllm_tokenizer.py"
             for m in pattern.finditer(p.read_text())]
     assert hits == []

@@ -16,7 +16,7 @@ IDLE_S = 300.0  # sequences outlive the module: a replica keeps a moved session'
 
 def require_nginx() -> str:
     """The nginx binary, or fail the test with the install command (never skip)."""
-    from toktier_backend.serving.fleet import find_nginx
+    from toktier_backend.deploy.fleet import find_nginx
 
     try:
         return find_nginx()
@@ -29,7 +29,7 @@ def fleet(tmp_path_factory):
     """Two replicas of our repository (bundled GPT-2) behind nginx; tests may kill, restart and add replicas."""
     _need_serving_deps()
     require_nginx()
-    from toktier_backend.serving.fleet import Fleet
+    from toktier_backend.deploy.fleet import Fleet
 
     f = Fleet(str(BUNDLED), 2, http_port=0, grpc_port=0, log_dir=tmp_path_factory.mktemp("fleet"),
               fail_timeout_s=FAIL_TIMEOUT_S, session_idle_s=IDLE_S, exit_timeout_s=2)

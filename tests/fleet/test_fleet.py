@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from toktier_backend import corpus
-from toktier_backend.serving.client import SessionClient
-from toktier_backend.serving.fleet import REPLICA_HEADER, SESSION_HEADER
+from toktier_backend.client import SessionClient
+from toktier_backend.deploy.fleet import REPLICA_HEADER, SESSION_HEADER
 from toktier_backend.serving.metrics import metric, scrape
 
 from ..serving.conftest import hf_ids

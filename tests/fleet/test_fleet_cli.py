@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from toktier_backend.serving.client import SessionClient
-from toktier_backend.serving.fleet import _port_open
-from toktier_backend.serving.server import free_ports
+from toktier_backend.client import SessionClient
+from toktier_backend.deploy.fleet import _port_open
+from toktier_backend.deploy.server import free_ports
 
 from ..serving.conftest import BUNDLED, _need_serving_deps, hf_ids
 from .conftest import require_nginx

@@ -8,8 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from toktier_backend.serving import fleet as fl
-from toktier_backend.serving.fleet import NGINX_INSTALL, SESSION_HEADER, Upstream, nginx_config, routing_key
+from toktier_backend.deploy import fleet as fl
+from toktier_backend.deploy.fleet import NGINX_INSTALL, SESSION_HEADER, Upstream, nginx_config, routing_key
 
 from .conftest import require_nginx
 
@@ -48,7 +48,7 @@ def test_compose_config_is_generated():
     """deploy/nginx/nginx.conf is exactly what ``toktier fleet --print-nginx-config`` prints."""
     want = fl.compose_nginx_config()
     assert REPO_CONF.read_text() == want, (
-        "deploy/nginx/nginx.conf is stale: python -m toktier_backend.serving.fleet fleet --print-nginx-config "
+        "deploy/nginx/nginx.conf is stale: python -m toktier_backend.deploy.fleet fleet --print-nginx-config "
         "> deploy/nginx/nginx.conf")
     for host in ("triton", "triton-2", "triton-3"):
         assert f"server {host}:8001 " in want and f"server {host}:8000 " in want
@@ -111,7 +111,7 @@ class _FakeTriton:
 def test_client_header_and_new_sequence_id_per_start(monkeypatch):
     """Every request carries the session header; a re-open after "START required" uses a new sequence ID,
     so the replica that still holds the old one (the session moved away and back) never serves it."""
-    from toktier_backend.serving import client as cl
+    from toktier_backend import client as cl
 
     class _Input:
         def __init__(self, name, shape, dtype):

@@ -34,7 +34,7 @@ SHARED = Path(os.environ.get("TOKTIER_SHARED", REPO.parent / "shared"))
 
 from prometheus_client import REGISTRY  # noqa: E402
 
-from toktier_backend import admission  # noqa: E402
+from toktier_backend.engines import admission  # noqa: E402
 from tests.serving.fake_pb_utils import encode_request, load_model  # noqa: E402
 
 _full_canary = admission.canary_texts

@@ -267,8 +267,8 @@ def test_shipped_config_is_cpu_only_with_gpu_parameters():
 def test_serve_renders_gpu_and_cpu_instance_groups(tmp_path):
     from tritonclient.grpc import model_config_pb2 as pb
 
-    from toktier_backend.serving.cli_serve import _parameters, add_serve_parser
-    from toktier_backend.serving.server import prepare_repository
+    from toktier_backend.deploy.cli_serve import _parameters, add_serve_parser
+    from toktier_backend.deploy.server import prepare_repository
 
     dst = prepare_repository(tmp_path / "models", tokenizer="default", encode_gpu_instances=2,
                              parameters={"gpu_crossover_chars": "1000"})

@@ -110,8 +110,8 @@ def ensemble_server(tmp_path_factory, hf_folder):
     example, serving the llama3_1 file with a tokenizer_config.json (eos ``<|eot_id|>``; BOS post-processor)."""
     require("tritonclient.grpc", "serve")
     require("tritonclient.http", "serve")
-    from toktier_backend.integrations.trtllm import ENSEMBLE_EXAMPLE_REPOSITORY
-    from toktier_backend.serving.server import TritonServer, find_triton_dist
+    from toktier_backend.faces.trtllm import ENSEMBLE_EXAMPLE_REPOSITORY
+    from toktier_backend.deploy.server import TritonServer, find_triton_dist
 
     try:
         find_triton_dist()

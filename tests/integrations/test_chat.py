@@ -8,7 +8,7 @@ import json
 import pytest
 
 from toktier_backend.errors import InvalidRequest, UnsupportedTokenizer
-from toktier_backend.integrations.chat import ChatRenderer, load_chat_template, special_tokens
+from toktier_backend.chat.template import ChatRenderer, load_chat_template, special_tokens
 
 from .conftest import CHATML_TEMPLATE, CONFIGS, LLAMA3_TEMPLATE, auto_tokenizer
 

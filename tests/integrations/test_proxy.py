@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from toktier_backend.corpus import load_turns, trajectory_files
-from toktier_backend.integrations.proxy import TokenProxy, make_server
+from toktier_backend.faces.proxy import TokenProxy, make_server
 
 from .conftest import REPO, auto_tokenizer, hf_ids
 
@@ -220,7 +220,7 @@ def test_errors(proxy, upstream):
 
 def test_cli_proxy_command(upstream, tmp_path):
     """``toktier proxy --upstream URL`` (bundled GPT-2), one request, then SIGTERM: exit 0."""
-    from toktier_backend.serving.server import free_ports
+    from toktier_backend.deploy.server import free_ports
 
     port = free_ports(1)[0]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -98,7 +98,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module", params=["gpt2", "llama3_1"])
 def unit(request, hf_folder):
-    from toktier_backend.integrations.trtllm import PreprocessingHandler
+    from toktier_backend.faces.trtllm import PreprocessingHandler
 
     folder = hf_folder(request.param)
     handler = PreprocessingHandler.from_parameters({"tokenizer": str(folder), "add_special_tokens": "${add_special_tokens}",
@@ -175,7 +175,7 @@ def test_unit_errors(unit):
 def test_unit_no_eos_needs_end_id():
     """A file without tokenizer_config.json and several special tokens names no eos: END_ID is required."""
     from toktier_backend.errors import InvalidRequest
-    from toktier_backend.integrations.trtllm import PreprocessingHandler
+    from toktier_backend.faces.trtllm import PreprocessingHandler
 
     from ..conftest import load  # the run-wide cached tokenizer of the shared file
 

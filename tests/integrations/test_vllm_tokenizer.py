@@ -102,7 +102,7 @@ def test_protocol_source(protocol, record_property):
 def test_class_implements_protocol(protocol):
     """Every member of the protocol exists with the same kind; every protocol parameter is accepted by name
     (or by our ``**kwargs``) with the same default."""
-    from toktier_backend.integrations.vllm_tokenizer import TokTierTokenizer
+    from toktier_backend.faces.vllm_tokenizer import TokTierTokenizer
 
     members, source = protocol
     for name, (kind, params) in members.items():
@@ -138,7 +138,7 @@ def test_class_implements_protocol(protocol):
 @pytest.fixture(scope="module", params=["gpt2", "llama3_1", "qwen3"])
 def pair(request, hf_folder):
     require("transformers")
-    from toktier_backend.integrations.vllm_tokenizer import TokTierTokenizer
+    from toktier_backend.faces.vllm_tokenizer import TokTierTokenizer
 
     folder = hf_folder(request.param)
     tok = TokTierTokenizer.from_pretrained(str(folder), truncation_side="left")
@@ -217,7 +217,7 @@ def test_delegated_members_equal_hf(pair):
 
 def test_attribute_writes_reach_hf(hf_folder):
     """Dynamo sets ``tokenizer.chat_template``; it must reach the HF tokenizer that renders."""
-    from toktier_backend.integrations.vllm_tokenizer import TokTierTokenizer
+    from toktier_backend.faces.vllm_tokenizer import TokTierTokenizer
 
     tok = TokTierTokenizer.from_pretrained(str(hf_folder("gpt2")))
     tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
@@ -238,12 +238,12 @@ def test_entry_point_declared():
 
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
     eps = data["project"]["entry-points"]["vllm.general_plugins"]
-    assert eps == {"toktier": "toktier_backend.integrations.vllm_plugin:register"}
+    assert eps == {"toktier": "toktier_backend.faces.vllm_plugin:register"}
     from importlib.metadata import entry_points
 
     installed = [e for e in entry_points(group="vllm.general_plugins") if e.name == "toktier"]
     if installed:  # an install made after the entry point was added
-        assert installed[0].load().__module__ == "toktier_backend.integrations.vllm_plugin"
+        assert installed[0].load().__module__ == "toktier_backend.faces.vllm_plugin"
 
 
 def test_register_is_idempotent(monkeypatch):
@@ -267,20 +267,20 @@ def test_register_is_idempotent(monkeypatch):
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, mod)
-    from toktier_backend.integrations import vllm_plugin
+    from toktier_backend.faces import vllm_plugin
 
     vllm_plugin.register()
     vllm_plugin.register()
     assert calls == [("tokenizers", "toktier", *vllm_plugin.TOKENIZER), ("renderers", "toktier", *vllm_plugin.RENDERER)]
     module, cls = tok_reg.tokenizers["toktier"]
-    from toktier_backend.integrations.vllm_tokenizer import TokTierTokenizer
+    from toktier_backend.faces.vllm_tokenizer import TokTierTokenizer
 
     assert getattr(importlib.import_module(module), cls) is TokTierTokenizer
 
 
 def test_renderer_exists_in_installed_vllm():
     """When vLLM is installed, the renderer we register (``vllm.renderers.hf.HfRenderer``) is in it."""
-    from toktier_backend.integrations.vllm_plugin import RENDERER
+    from toktier_backend.faces.vllm_plugin import RENDERER
 
     spec = importlib.util.find_spec("vllm")
     if spec is None:  # vLLM is not a dependency: hold the name to the one recorded from vLLM 0.33.0

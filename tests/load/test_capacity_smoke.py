@@ -31,7 +31,7 @@ def _require(module: str) -> None:
 def test_capacity_smoke(tmp_path):
     for module in ("locust", "gevent", "matplotlib", "psutil", "tritonclient.grpc"):
         _require(module)
-    from toktier_backend.serving.server import find_triton_dist
+    from toktier_backend.deploy.server import find_triton_dist
 
     try:
         find_triton_dist()

@@ -1,4 +1,4 @@
-"""Chunked full encode (``toktier_backend.parallel``) against the HF reference, and the shared pool.
+"""Chunked full encode (``toktier_backend.pipeline.chunked``) against the HF reference, and the shared pool.
 
 Every chunked result is compared with ``Tokenizer.from_file(path).encode(text, add_special_tokens=...)
 .ids`` (``tests/conftest.py`` ``reference(name)``, loaded independently of our code), on all nine files:
@@ -21,8 +21,11 @@ import numpy as np
 import pytest
 
 import toktier_backend as tt
-from toktier_backend import corpus, parallel
-from toktier_backend.parallel import CHUNK, REPAIR, ChunkedEncoder, CpuPool
+from toktier_backend import corpus
+from toktier_backend.pipeline import chunked as parallel
+from toktier_backend.pipeline.chunked import ChunkedEncoder
+from toktier_backend.runtime import pool as runtime_pool
+from toktier_backend.runtime.pool import CHUNK, REPAIR, CpuPool
 
 from ..conftest import NAMES, load, reference, tokenizer_path
 
@@ -206,7 +209,7 @@ def test_guarded_chunk_goes_to_reference_alone(name, pool, corpus_text):
 def test_guarded_piece_goes_to_reference_alone_on_the_str_path(name, pool, corpus_text, monkeypatch):
     """fastokens' guard sets are empty; with one code point guarded (as a future engine build could need),
     only the piece that holds it goes to the reference, and the ids still equal HF's."""
-    from toktier_backend.admission import Admission
+    from toktier_backend.engines.admission import Admission
 
     tok = tt.load_tokenizer(tokenizer_path(name), engine="fastokens")
     assert not tok.admission.guarded and not tok.chunked.accepts_utf8
@@ -560,8 +563,8 @@ def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, expres
 
 
 def test_shared_pool_is_one_per_process():
-    assert parallel.shared_pool() is parallel.shared_pool()
-    assert ChunkedEncoder(load("gpt2")).pool is parallel.shared_pool()
+    assert runtime_pool.shared_pool() is runtime_pool.shared_pool()
+    assert ChunkedEncoder(load("gpt2")).pool is runtime_pool.shared_pool()
 
 
 def test_pool_nice_lowers_only_worker_threads():
@@ -637,7 +640,7 @@ def test_default_step_is_one_chunk_per_worker_up_to_chunk_chars():
 
 
 def test_handler_runs_sessions_and_chunks_on_its_pool(corpus_text):
-    from toktier_backend.serving.handler import Handler
+    from toktier_backend.faces.triton import Handler
 
     tok = tt.load_tokenizer(tt.default_tokenizer_path())
     tok.chunked.strategy = "chunks"  # (else the handler's prepare() calibrates, and may choose "whole")
@@ -715,7 +718,7 @@ def test_lone_surrogate_on_every_route_is_invalid_request(corpus_text, monkeypat
 def test_handler_long_text_strategy_parameter():
     """``long_text_strategy`` in ``config.pbtxt``: ``auto`` keeps what the load-time calibration chose, the
     others force it, anything else fails the model's load with the parameter named."""
-    from toktier_backend.serving.handler import Handler
+    from toktier_backend.faces.triton import Handler
 
     base = {"tokenizer": "default", "pool_workers": "2"}
     h = Handler.from_parameters(base)

@@ -14,8 +14,8 @@ import pytest
 
 import toktier_backend as tt
 from toktier_backend.corpus import load_turns, trajectory_files
-from toktier_backend.pipeline.session_store import ENTRY_OVERHEAD, SessionEntry, SessionStore
-from toktier_backend.serving.handler import Handler
+from toktier_backend.serving.session_store import ENTRY_OVERHEAD, SessionEntry, SessionStore
+from toktier_backend.faces.triton import Handler
 
 
 class Clock:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import toktier_backend as tt
-from toktier_backend.pipeline.verifier import QuarantineFile, Verifier, build_key
-from toktier_backend.serving.handler import Handler
+from toktier_backend.serving.verifier import QuarantineFile, Verifier, build_key
+from toktier_backend.faces.triton import Handler
 
 from ..faulty_engine import TRIGGER, install
 
@@ -150,7 +150,7 @@ def test_quarantine_file_reaches_other_instances_and_operator_clears(tok, tmp_pa
     v1.quarantine("append", "test")
     v2.sync()
     assert "append" in other.quarantined
-    from toktier_backend.serving.cli_serve import main
+    from toktier_backend.deploy.cli_serve import main
 
     assert main(["quarantine", "clear", "--file", str(path), "--route", "append"]) == 0
     v1.sync(), v2.sync()

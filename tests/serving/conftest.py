@@ -67,7 +67,7 @@ def _need_serving_deps() -> None:
     require("tritonclient.grpc")
     require("tritonclient.http")
     try:
-        from toktier_backend.serving.server import find_triton_dist
+        from toktier_backend.deploy.server import find_triton_dist
 
         find_triton_dist()
     except FileNotFoundError as e:
@@ -85,7 +85,7 @@ def _start(server, tmp_path_factory):
 def native(tmp_path_factory):
     """``tritonserver`` (from nvidia-pytriton) on loopback with our repository and the bundled GPT-2 file."""
     _need_serving_deps()
-    from toktier_backend.serving.server import TritonServer
+    from toktier_backend.deploy.server import TritonServer
 
     tmp = tmp_path_factory.mktemp("native")
     log = tmp / "tritonserver.log"
@@ -103,7 +103,7 @@ def native(tmp_path_factory):
 def native_family(request, tmp_path_factory):
     """Our repository served with a shared file of another pre-tokenizer family (``.family`` = its name)."""
     _need_serving_deps()
-    from toktier_backend.serving.server import TritonServer
+    from toktier_backend.deploy.server import TritonServer
 
     path = tokenizer_file(request.param)
     log = tmp_path_factory.mktemp(f"native_{request.param}") / "tritonserver.log"
@@ -120,7 +120,7 @@ def pytriton_face(tmp_path_factory):
     """The same handler through PyTriton, on loopback, with the shared gpt2 file."""
     _need_serving_deps()
     require("pytriton")
-    from toktier_backend.serving.server import PyTritonServer
+    from toktier_backend.deploy.server import PyTritonServer
 
     log = tmp_path_factory.mktemp("pytriton") / "tritonserver.log"
     server = PyTritonServer(str(tokenizer_file("gpt2")), http_port=0, grpc_port=0, metrics_port=0,

@@ -21,7 +21,7 @@ def test_serve_until_sigterm():
     _need_serving_deps()
     import tritonclient.http as httpclient
 
-    from toktier_backend.serving.server import free_ports
+    from toktier_backend.deploy.server import free_ports
 
     http, grpc, metrics = free_ports(3)
     proc = subprocess.Popen(

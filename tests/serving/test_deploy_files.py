@@ -61,7 +61,7 @@ def test_model_config_parses(model):
 
 
 def test_prepare_repository_substitutes(tmp_path):
-    from toktier_backend.serving.server import prepare_repository
+    from toktier_backend.deploy.server import prepare_repository
 
     tok = REPO / "toktier_backend" / "data" / "gpt2" / "tokenizer.json"
     dst = prepare_repository(tmp_path / "models", tokenizer=str(tok), max_text_bytes=1234, session_idle_s=2.5)

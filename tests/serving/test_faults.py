@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toktier_backend.serving.client import SessionClient
+from toktier_backend.client import SessionClient
 
 from ..faulty_engine import TRIGGER
 from .conftest import BUNDLED, MAX_TEXT_BYTES, REPO, _need_serving_deps, hf_ids, metric, scrape
@@ -32,7 +32,7 @@ IDLE = 20.0
 def _repository(dest: Path, *, faulty: bool = False) -> Path:
     """Our two models only (not whatever else the checkout's repository holds); with ``faulty``, the
     session model installs :class:`tests.faulty_engine.FaultyEngine` after admission."""
-    from toktier_backend.serving.server import DEFAULT_MODEL_REPOSITORY
+    from toktier_backend.deploy.server import DEFAULT_MODEL_REPOSITORY
 
     dest.mkdir(parents=True)
     for name in ("toktier_session", "toktier_encode"):
@@ -52,7 +52,7 @@ def _repository(dest: Path, *, faulty: bool = False) -> Path:
 
 
 def _server(tmp: Path, *, tokenizer=BUNDLED, faulty=False, params=None, ports=None, idle=IDLE):
-    from toktier_backend.serving.server import TritonServer
+    from toktier_backend.deploy.server import TritonServer
 
     p, h, g, m = ports or (0, 0, 0, 0)
     return TritonServer(
@@ -355,7 +355,7 @@ def test_faulty_engine_is_quarantined_and_replies_are_exact_after(tmp_path):
                              sequence_id=sid, sequence_end=True)
             assert _get(r, "INPUT_ID").tolist() == hf_ids("bundled", f"turn {k} {TRIGGER} {k}"), k
         # the operator clears it
-        out = subprocess.run([sys.executable, "-m", "toktier_backend.serving.cli_serve", "quarantine", "clear",
+        out = subprocess.run([sys.executable, "-m", "toktier_backend.deploy.cli_serve", "quarantine", "clear",
                               "--file", str(qfile)], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert out.returncode == 0 and "3 route(s) released" in out.stdout, out.stderr
         time.sleep(1.5)

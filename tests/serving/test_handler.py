@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import toktier_backend as tt
-from toktier_backend.serving import triton_io
-from toktier_backend.serving.handler import Handler, SessionStore
+from toktier_backend.faces import triton_io
+from toktier_backend.faces.triton import Handler, SessionStore
 
 from .conftest import BUNDLED, REPO, hf_ids
 
@@ -161,7 +161,7 @@ def test_ttl_expires_idle_sessions(handler, clock):
 
 def test_store_sweep(clock):
     store = SessionStore(ttl_s=5, clock=clock)
-    from toktier_backend.serving.handler import SessionEntry
+    from toktier_backend.faces.triton import SessionEntry
 
     for k in range(3):
         store.put(k, SessionEntry(session=None, add_special_tokens=True, text_bytes=0, last_used=clock()))
@@ -251,8 +251,8 @@ def test_import_hygiene():
     """Importing the serving modules pulls in neither tritonclient nor pytriton (lazy imports)."""
     code = (
         "import sys\n"
-        "import toktier_backend.serving.handler, toktier_backend.serving.triton_io\n"
-        "import toktier_backend.serving.server, toktier_backend.serving.client, toktier_backend.serving.cli_serve\n"
+        "import toktier_backend.faces.triton, toktier_backend.faces.triton_io\n"
+        "import toktier_backend.deploy.server, toktier_backend.client, toktier_backend.deploy.cli_serve\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('tritonclient', 'pytriton', 'triton_python_backend_utils')]\n"
         "assert not bad, bad\n"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import toktier_backend as tt
-from toktier_backend.serving.handler import Handler
+from toktier_backend.faces.triton import Handler
 from toktier_backend.serving.metrics import Metrics
 
 from .conftest import BUNDLED

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from toktier_backend.corpus import load_turns, trajectory_files
-from toktier_backend.serving.client import SessionClient
+from toktier_backend.client import SessionClient
 
 from .conftest import IDLE_S, MAX_TEXT_BYTES, hf_ids
 

@@ -16,7 +16,7 @@ import numpy as np
 
 #: fastokens' helper threads (``FASTOKENS_BPE_THREADS``, read once, at the process's first fastokens encode)
 #: are off unless the user set the variable: our pool runs every core's share of a long text, as pieces cut
-#: at stable cuts (``parallel.py``). With the helper on, each 256K-char piece also handed work to the one
+#: at stable cuts (``pipeline/chunked.py``). With the helper on, each 256K-char piece also handed work to the one
 #: helper thread, which spins after each call for more, on the core the other pool worker needs. Each
 #: system in its own process, interleaved, 0.2 s idle gaps, 4M chars of agent text, n=30, p50 ms, pieces
 #: with the helper off / the shipped choice with it on (pieces, or one whole call with the helper pinned) /
@@ -57,7 +57,7 @@ class FastokensEngine:
     accepts_utf8 = False
 
     def __init__(self, path: str):
-        from ..errors import EngineUnavailable
+        from toktier_backend.errors import EngineUnavailable
 
         if _fastokens is None:
             raise EngineUnavailable(f"fastokens is not installed ({_IMPORT_ERROR}); pip install fastokens")
@@ -105,7 +105,7 @@ class FastokensEngine:
         ids, _offsets = self._tok.encode_batch_flat([text])
         return np.frombuffer(ids, dtype="<u4").view(np.int32)
 
-    #: The pool's name for a GIL-free encode (``toktier_backend.parallel`` chunks only engines that have one).
+    #: The pool's name for a GIL-free encode (``toktier_backend.pipeline.chunked`` chunks only engines that have one).
     encode_nogil = encode
 
 

@@ -25,7 +25,7 @@ class GigatokenEngine:
     accepts_utf8 = True
 
     def __init__(self, path: str):
-        from ..errors import EngineUnavailable
+        from toktier_backend.errors import EngineUnavailable
 
         if _gigatoken is None:
             raise EngineUnavailable(f"gigatoken is not installed ({_IMPORT_ERROR}); pip install gigatoken")
@@ -91,5 +91,5 @@ class GigatokenEngine:
                 self._free.append(backend)
         return rows[0].view(np.int32)
 
-    #: The pool's name for a GIL-free encode (``toktier_backend.parallel`` chunks only engines that have one).
+    #: The pool's name for a GIL-free encode (``toktier_backend.pipeline.chunked`` chunks only engines that have one).
     encode_nogil = encode

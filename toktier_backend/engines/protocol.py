@@ -29,6 +29,6 @@ class Engine(Protocol):
 
         Returns:
             ``np.ndarray[int32] (n_tokens,)``; equals HF ``encode(text, add_special_tokens=False).ids``
-            for every text the engine is admitted for (see ``admission.py``).
+            for every text the engine is admitted for (see ``engines/admission.py``).
         """
         ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from ..errors import EngineUnavailable
+from toktier_backend.errors import EngineUnavailable
 
 _REGISTRY: dict[str, tuple[str, str]] = {
     "hf": ("toktier_backend.engines.hf", "HFEngine"),
@@ -26,7 +26,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 #: for llama3_1, fastokens ahead for deepseek_v3 8.08 vs 10.28); fastokens stays first for every file: with
 #: its helper thread off, its pieces on our pool beat gigatoken's one thread on gpt2 too (4M chars, p50:
 #: 10.9 vs 13.7 ms, ``bench/README.md``). gigatoken serves the files fastokens
-#: cannot load (cl100k_base, o200k_base). Both are canaried and guarded per file (``admission.py``).
+#: cannot load (cl100k_base, o200k_base). Both are canaried and guarded per file (``engines/admission.py``).
 FAST_ENGINE_ORDER = ("fastokens", "gigatoken")
 
 

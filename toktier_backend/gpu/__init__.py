@@ -18,11 +18,11 @@ __all__ = ["GpuEngine", "GpuRouter"]
 
 def __getattr__(name: str):
     if name == "GpuEngine":
-        from .engine import GpuEngine
+        from toktier_backend.gpu.engine import GpuEngine
 
         return GpuEngine
     if name == "GpuRouter":
-        from .routing import GpuRouter
+        from toktier_backend.gpu.routing import GpuRouter
 
         return GpuRouter
     raise AttributeError(name)

@@ -24,12 +24,12 @@ import threading
 import numpy as np
 from numba import cuda
 
-from ..errors import EngineUnavailable, UnsupportedTokenizer
-from . import _warp as W_
-from . import kernels as K
-from . import unicode_tables as ut
-from .merges import WARP_MAX, k_bpe_block, k_bpe_warp
-from .tables import GpuTables
+from toktier_backend.errors import EngineUnavailable, UnsupportedTokenizer
+from toktier_backend.gpu import _warp as W_
+from toktier_backend.gpu import kernels as K
+from toktier_backend.gpu import unicode_tables as ut
+from toktier_backend.gpu.merges import WARP_MAX, k_bpe_block, k_bpe_warp
+from toktier_backend.gpu.tables import GpuTables
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class GpuEngine:
     @property
     def cpu(self):
         if self._cpu is None:
-            from ..engines.hf import HFEngine
+            from toktier_backend.engines.hf import HFEngine
 
             self._cpu = HFEngine(self.path)
         return self._cpu

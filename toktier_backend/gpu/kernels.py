@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int64
 
-from . import _warp as W_
-from .unicode_tables import AL, AP, CJK, CRLF, L, M, N, P, S, SPACE, WS
+from toktier_backend.gpu import _warp as W_
+from toktier_backend.gpu.unicode_tables import AL, AP, CJK, CRLF, L, M, N, P, S, SPACE, WS
 
 SCAN2 = W_.SCAN2_BLOCK  # module global: a compile-time constant for the shared-array shape
 # counts[] slots

@@ -22,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int64
 
-from . import _warp as W_
-from .kernels import C_NLONG, C_NSHORT
-from .tables import HASH_A, HASH_B, INF_RANK
+from toktier_backend.gpu import _warp as W_
+from toktier_backend.gpu.kernels import C_NLONG, C_NSHORT
+from toktier_backend.gpu.tables import HASH_A, HASH_B, INF_RANK
 
 WARP_MAX = 32
 BIGI = 0x7FFFFFFF

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import unicode_tables as ut
+from toktier_backend.gpu import unicode_tables as ut
 
 FAMILIES = ("gpt2", "cl100k", "qwen2", "deepseek_v3")
 

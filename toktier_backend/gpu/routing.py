@@ -15,9 +15,9 @@ the route with the ids. Both engines are exact, so the route never changes the i
 Wiring (``model_repository/toktier_encode``): each model instance of kind GPU (``instance_group [ { kind:
 KIND_GPU ... } ]``) builds its router with :func:`gpu_router_for` at load: ``GpuEngine(path)`` on the
 instance's device, admitted only if it passes the same load-time canary as the CPU fast engines
-(:func:`toktier_backend.admission.run_canary`), and ``cpu_engine`` = :class:`FreshCpuEngine`, the
+(:func:`toktier_backend.engines.admission.run_canary`), and ``cpu_engine`` = :class:`FreshCpuEngine`, the
 tokenizer's own fresh-text encode (prefix index, chunked encode, guard set, quarantine). The handler
-(``serving/handler.py``) sends the body of every stateless encode through :meth:`GpuRouter.encode`; the
+(``faces/triton.py``) sends the body of every stateless encode through :meth:`GpuRouter.encode`; the
 post-processor and validation are unchanged. A GPU instance whose engine cannot load or fails the canary
 keeps a router without a GPU engine (every request ``cpu_no_gpu``) and never fails the model load. CPU
 instances have no router and take the overflow: Triton's scheduler hands a request to whichever instance is
@@ -145,9 +145,9 @@ def _new_gpu_engine(path: str, device_id: int):
     """
     from numba import cuda
 
-    from ..errors import EngineUnavailable
-    from . import _warp
-    from .engine import GpuEngine
+    from toktier_backend.errors import EngineUnavailable
+    from toktier_backend.gpu import _warp
+    from toktier_backend.gpu.engine import GpuEngine
 
     if not _warp.SIM and not cuda.is_available():
         raise EngineUnavailable("engine 'gpu': no CUDA device is available (numba.cuda.is_available() is False)")
@@ -174,7 +174,7 @@ def gpu_router_for(tokenizer, *, device_id: int = 0, crossover_chars: int = DEFA
         engine (``gpu_status`` ``"unavailable"`` / ``"canary_failed"``, ``gpu_reason``; one log line) and
         every request takes the CPU engine, counted as ``cpu_no_gpu``.
     """
-    from ..admission import run_canary
+    from toktier_backend.engines.admission import run_canary
 
     cpu = FreshCpuEngine(tokenizer)
     factory = engine_factory or _new_gpu_engine

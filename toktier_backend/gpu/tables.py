@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UnsupportedTokenizer
-from ..pipeline.cuts import deepseek_v3 as _ds_cut
-from ..pipeline.cuts import llama3 as _cl_cut
-from ..spec import _bytes_to_unicode, _walk
-from . import predicates
+from toktier_backend.errors import UnsupportedTokenizer
+from toktier_backend.pipeline.cuts import deepseek_v3 as _ds_cut
+from toktier_backend.pipeline.cuts import cl100k as _cl_cut
+from toktier_backend.spec import _bytes_to_unicode, _walk
+from toktier_backend.gpu import predicates
 
 INF_RANK = 0x7FFFFFFF
 HASH_A = 0x9E3779B1

@@ -100,7 +100,7 @@ def compute_probes() -> dict[str, list[list[int]]]:
 def _probed() -> dict[str, list[list[int]]]:
     import tokenizers
 
-    from ._class_data import PROBED
+    from toktier_backend.gpu._class_data import PROBED
 
     if tokenizers.__version__ in PROBED:  # shipped, probed from this very version
         return PROBED[tokenizers.__version__]

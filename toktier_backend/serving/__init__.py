@@ -1,10 +1,11 @@
-"""Serving layer: one request handler behind the Triton Python backend models and the PyTriton face.
+"""The serving core behind every face: one session store and byte budget, one shadow verifier, one metrics
+registry, one CPU pool (``runtime/pool.py``).
 
-- :mod:`.handler` — :class:`~.handler.Handler` (the one request handler) and
-  :class:`~.handler.SessionStore` (correlation ID -> session, TTL, START/END). Pure Python.
-- :mod:`.triton_io` — tensor <-> Python conversion and error-code mapping, shared by ``model.py`` and PyTriton.
-- :mod:`.server` — ``toktier serve``: runs the ``tritonserver`` binary shipped in ``nvidia-pytriton`` (or PyTriton).
-- :mod:`.client` — :class:`~.client.SessionClient` over ``tritonclient`` (imported lazily).
+- :mod:`.session_store` — sessions by key (correlation ID, header, body field) with TTL, START/END, LRU
+  byte budget shared with the tokenizer's prefix index.
+- :mod:`.prefix_sessions` — sessions found by prompt prefix, for callers that send no key (vLLM).
+- :mod:`.verifier` — the shadow verifier: re-checks sampled replies against the reference, quarantines.
+- :mod:`.metrics` — the ``toktier_*`` Prometheus metrics (labels name the face).
 
-Importing this package imports neither Triton nor ``tritonclient``.
+Pure Python and numpy: importing it imports neither Triton nor ``tritonclient``.
 """

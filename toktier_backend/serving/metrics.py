@@ -89,7 +89,7 @@ class Metrics:
         registry: a ``prometheus_client.CollectorRegistry`` (default: the global one; in multiprocess mode
             the values go to ``$PROMETHEUS_MULTIPROC_DIR`` regardless).
         pool_stats: a callable returning the CPU pool's ``stats()`` dict; overrides the ``pool`` the handler
-            passes to :meth:`set_state` (default: that pool, else ``toktier_backend.parallel``'s shared pool
+            passes to :meth:`set_state` (default: that pool, else ``toktier_backend.pipeline.chunked``'s shared pool
             once created).
     """
 
@@ -234,9 +234,9 @@ class Metrics:
 
 
 def _shared_pool_stats() -> dict | None:
-    """``toktier_backend.parallel``'s shared pool ``stats()`` once that module has created it; else None
+    """``toktier_backend.pipeline.chunked``'s shared pool ``stats()`` once that module has created it; else None
     (this never creates a pool)."""
-    mod = sys.modules.get("toktier_backend.parallel")
+    mod = sys.modules.get("toktier_backend.pipeline.chunked")
     pool = getattr(mod, "_shared", None) if mod is not None else None
     return pool.stats() if pool is not None and hasattr(pool, "stats") else None
 

@@ -11,15 +11,15 @@ Outputs:
 
 A request with a correlation ID is repaired in that ID's session (START replaces it, END frees it); without
 one it is a full encode. Errors are per request (INVALID_ARG, UNAVAILABLE, INTERNAL). All logic is in
-``toktier_backend.integrations.trtllm``.
+``toktier_backend.faces.trtllm``.
 """
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from toktier_backend.integrations.trtllm import INPUTS, PreprocessingHandler
-from toktier_backend.serving import triton_io
+from toktier_backend.faces.trtllm import INPUTS, PreprocessingHandler
+from toktier_backend.faces import triton_io
 
 
 class TritonPythonModel:

@@ -10,15 +10,15 @@ Outputs:
 Errors are per request: INVALID_ARG (not UTF-8, lone surrogate, over max_text_bytes), UNAVAILABLE, INTERNAL.
 An instance of kind GPU routes fresh texts above ``gpu_crossover_chars`` to the GPU engine on its device
 (``gpu_engine`` "auto"; CPU fallback, never a failed load: ``toktier_backend.gpu.routing``); CPU instances
-take the overflow. All logic is in ``toktier_backend.serving.handler``.
+take the overflow. All logic is in ``toktier_backend.faces.triton``.
 """
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from toktier_backend.serving import triton_io
-from toktier_backend.serving.handler import Handler
+from toktier_backend.faces import triton_io
+from toktier_backend.faces.triton import Handler
 
 
 class TritonPythonModel:

@@ -13,15 +13,15 @@ Outputs:
 
 The session is keyed by ``request.correlation_id()`` (int or str); the START flag replaces it, END frees it.
 Errors are per request: INVALID_ARG (bad input), NOT_FOUND (delta for an unknown session: resend MODE=full),
-UNAVAILABLE, INTERNAL. All logic is in ``toktier_backend.serving.handler``.
+UNAVAILABLE, INTERNAL. All logic is in ``toktier_backend.faces.triton``.
 """
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from toktier_backend.serving import triton_io
-from toktier_backend.serving.handler import DEFAULT_SESSION_TTL_S, Handler
+from toktier_backend.faces import triton_io
+from toktier_backend.faces.triton import DEFAULT_SESSION_TTL_S, Handler
 
 
 class TritonPythonModel:

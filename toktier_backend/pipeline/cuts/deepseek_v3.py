@@ -14,17 +14,17 @@ reaching split 3 has already been isolated by split 1.
 
 Rule B — ``x == '\\n'`` and ``y`` printable non-space ASCII: in split 3 the match holding ``x`` is the
 ``[\\r\\n]*`` tail of a punctuation/symbol match or ``\\s*[\\r\\n]+`` over the whole whitespace run, tried
-before ``\\s+(?!\\S)`` (as in ``llama3.py``); the optional prefix ``[^\\r\\n\\p{L}\\p{P}\\p{S}]?`` excludes
+before ``\\s+(?!\\S)`` (as in ``cl100k.py``); the optional prefix ``[^\\r\\n\\p{L}\\p{P}\\p{S}]?`` excludes
 ``\\n``; the first alternative starts with punctuation, not ``\\n``.
 """
 
 from __future__ import annotations
 
 
-from . import llama3
+from toktier_backend.pipeline.cuts import cl100k
 
 NAME = "deepseek_v3"
-SEAM = llama3.SEAM
+SEAM = cl100k.SEAM
 PATTERNS = (
     r"\p{N}{1,3}",
     "[一-龥぀-ゟ゠-ヿ]+",
@@ -34,4 +34,4 @@ PATTERNS = (
 
 # The rules coincide with the cl100k family's (A: alnum then space; B: newline then printable ASCII);
 # the proof above is what differs. One implementation serves both.
-is_stable_cut = llama3.is_stable_cut
+is_stable_cut = cl100k.is_stable_cut

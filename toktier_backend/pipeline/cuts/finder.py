@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
-from ...spec import TokenizerSpec, _walk
-from . import byte_level, deepseek_v3, llama3, o200k, segments
-from .added_tokens import AddedTokenSeams
+from toktier_backend.spec import TokenizerSpec, _walk
+from toktier_backend.pipeline.cuts import cl100k, deepseek_v3, gpt2, o200k, segments
+from toktier_backend.pipeline.cuts.added_tokens import AddedTokenSeams
 
 #: Normalizer leaves under which an ASCII seam stays a seam (ASCII is NFC/NFD-stable).
 _ASCII_STABLE_NORMALIZERS = {"NFC", "NFD"}
@@ -61,9 +61,9 @@ def detect_family(spec: TokenizerSpec) -> tuple[ModuleType | None, str]:
     if regex_ok and tail_ok and all(_isolating(s) for s in splits):
         pats = [_regex(s) for s in splits]
         if not splits and pre[-1].get("use_regex", True):
-            return byte_level, "ByteLevel GPT-2 regex"
-        if len(pats) == 1 and pats[0] in llama3.PATTERNS.values() and pre[-1].get("use_regex") is False:
-            return llama3, "cl100k-style Split regex"
+            return gpt2, "ByteLevel GPT-2 regex"
+        if len(pats) == 1 and pats[0] in cl100k.PATTERNS.values() and pre[-1].get("use_regex") is False:
+            return cl100k, "cl100k-style Split regex"
         if len(pats) == 1 and pats[0] == o200k.PATTERN and pre[-1].get("use_regex") is False:
             return o200k, "o200k Split regex"
         if tuple(pats) == deepseek_v3.PATTERNS and pre[-1].get("use_regex") is False:

@@ -9,7 +9,7 @@ Regex (openai/tiktoken ``o200k_base``)::
 Rule A — ``x`` ASCII letter or digit, ``y == ' '``: inside a match a letter is followed only by letters,
 marks or a contraction tail (``'s``...), a digit only by digits; never by a space.
 
-Rule B — ``x == '\\n'``, ``y`` printable non-space ASCII **other than** ``/``: as in ``llama3.py``, except
+Rule B — ``x == '\\n'``, ``y`` printable non-space ASCII **other than** ``/``: as in ``cl100k.py``, except
 that the punctuation alternative's tail is ``[\\r\\n/]*``, so ``".\\n" + "/"`` would be one pre-token.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from ._chars import ALNUM, GRAPH
+from toktier_backend.pipeline.cuts._chars import ALNUM, GRAPH
 
 NAME = "o200k"
 SEAM = re.compile(r"(?<=[A-Za-z0-9])(?= )|(?<=\n)(?=[!-.0-~])")

@@ -8,7 +8,7 @@ Outputs:
     REQUEST_INPUT_LEN  TYPE_INT32  [1]  number of ids
 
 What a conventional tokenization frontend does: the reference encode of the whole text on every request.
-Input parsing and errors go through ``toktier_backend.serving.triton_io`` like ``toktier_encode``.
+Input parsing and errors go through ``toktier_backend.faces.triton_io`` like ``toktier_encode``.
 """
 
 import json
@@ -18,7 +18,7 @@ import numpy as np
 import tokenizers
 import triton_python_backend_utils as pb_utils
 
-from toktier_backend.serving import triton_io
+from toktier_backend.faces import triton_io
 
 
 class TritonPythonModel:

@@ -1,7 +1,7 @@
 """The ``serve`` subcommand: ``toktier serve --tokenizer SPEC [--model-repository DIR] [ports]``.
 
 ``toktier_backend/cli.py`` wires it with ``add_serve_parser(subparsers)``; ``python -m
-toktier_backend.serving.cli_serve ...`` runs it on its own.
+toktier_backend.deploy.cli_serve ...`` runs it on its own.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def _add_ops_parsers(subparsers) -> None:
 def run_quarantine(args: argparse.Namespace) -> int:
     import json
 
-    from toktier_backend.pipeline.verifier import QuarantineFile
-    from toktier_backend.serving.handler import default_quarantine_file
+    from toktier_backend.serving.verifier import QuarantineFile
+    from toktier_backend.faces.triton import default_quarantine_file
 
     f = QuarantineFile(args.file or default_quarantine_file())
     if args.action == "list":
@@ -127,7 +127,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from toktier_backend.serving.server import serve
+    from toktier_backend.deploy.server import serve
 
     return serve(
         args.tokenizer,

@@ -14,7 +14,7 @@ for itself:
 4. waits for ``/v2/health/ready``; stops with SIGINT, then SIGKILL after ``exit_timeout_s``.
 
 :class:`PyTritonServer` serves the same handler through PyTriton instead (``--pytriton``; see
-:mod:`toktier_backend.serving.pytriton_app`). Both bind to loopback unless told otherwise.
+:mod:`toktier_backend.faces.pytriton`). Both bind to loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -475,7 +475,7 @@ class PyTritonServer:
 
     PyTriton 0.7 neither exposes the correlation ID nor configures a sequence batcher, so this face keys
     sessions by the request parameters ``session_id`` (int or str), ``session_start`` and ``session_end``
-    (bool); see :mod:`toktier_backend.serving.pytriton_app`.
+    (bool); see :mod:`toktier_backend.faces.pytriton`.
     """
 
     def __init__(
@@ -513,7 +513,7 @@ class PyTritonServer:
     toktier_metrics_url = TritonServer.toktier_metrics_url
 
     def start(self) -> "PyTritonServer":
-        from toktier_backend.serving import pytriton_app
+        from toktier_backend.faces import pytriton as pytriton_app
 
         self.triton, self.handler = pytriton_app.create(
             self.tokenizer,
@@ -662,6 +662,6 @@ def _run_until(server, stop: threading.Event, tokenizer, pytriton: bool, ready_t
 
 
 def _ensemble_example() -> list[Path]:
-    from toktier_backend.integrations.trtllm import ENSEMBLE_EXAMPLE_REPOSITORY
+    from toktier_backend.faces.trtllm import ENSEMBLE_EXAMPLE_REPOSITORY
 
     return [ENSEMBLE_EXAMPLE_REPOSITORY]

@@ -37,8 +37,8 @@ from typing import Any, Iterable
 
 from toktier_backend.errors import InvalidRequest, ToktierError
 
-from .chat import ChatRenderer, load_chat_template, special_tokens
-from .sessions import SessionCache
+from toktier_backend.chat.template import ChatRenderer, load_chat_template, special_tokens
+from toktier_backend.serving.prefix_sessions import SessionCache
 
 log = logging.getLogger(__name__)
 

@@ -3,11 +3,11 @@
 Entry point (``pyproject.toml``)::
 
     [project.entry-points."vllm.general_plugins"]
-    toktier = "toktier_backend.integrations.vllm_plugin:register"
+    toktier = "toktier_backend.faces.vllm_plugin:register"
 
 vLLM calls :func:`register` in every process it starts (and ``vllm serve``/Dynamo's ``--dyn-chat-processor
 vllm`` call it while parsing engine arguments), so ``--tokenizer-mode toktier`` then resolves to
-:class:`~toktier_backend.integrations.vllm_tokenizer.TokTierTokenizer`. A tokenizer mode also selects the
+:class:`~toktier_backend.faces.vllm_tokenizer.TokTierTokenizer`. A tokenizer mode also selects the
 chat renderer in current vLLM (``vllm/renderers/registry.py``); ours is vLLM's ``HfRenderer``, since the
 class serves the HF tokenizer's chat template. Idempotent: registering twice changes nothing and logs
 nothing.
@@ -15,9 +15,9 @@ nothing.
 
 from __future__ import annotations
 
-from .vllm_tokenizer import MODE
+from toktier_backend.faces.vllm_tokenizer import MODE
 
-TOKENIZER = ("toktier_backend.integrations.vllm_tokenizer", "TokTierTokenizer")
+TOKENIZER = ("toktier_backend.faces.vllm_tokenizer", "TokTierTokenizer")
 RENDERER = ("vllm.renderers.hf", "HfRenderer")
 
 

@@ -56,7 +56,7 @@ import numpy as np
 import toktier_backend as tt
 from toktier_backend.errors import InvalidRequest
 
-from .sessions import SessionCache
+from toktier_backend.serving.prefix_sessions import SessionCache
 
 log = logging.getLogger(__name__)
 

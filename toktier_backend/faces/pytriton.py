@@ -15,7 +15,7 @@ due to PyTriton 0.7:
 - **Empty ids.** PyTriton 0.7 cannot send a zero-size tensor ("memoryview: cannot cast view with zeros in
   shape or strides"), so an empty ``INPUT_ID`` comes back as ``[-1]`` (:data:`EMPTY_PAD`): take the first
   ``REQUEST_INPUT_LEN - KEEP`` ids of a patch (all ``REQUEST_INPUT_LEN`` of a full reply).
-  :class:`~toktier_backend.serving.client.SessionClient` does.
+  :class:`~toktier_backend.client.SessionClient` does.
 - **Access token.** PyTriton 0.7 restricts the model-repository, statistics, trace, logging and
   shared-memory endpoints behind an access token (``Triton.get_access_token()``); inference, health and
   metadata stay open.
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from toktier_backend.errors import InvalidRequest
-from toktier_backend.serving import triton_io
-from toktier_backend.serving.handler import DEFAULT_MAX_TEXT_BYTES, DEFAULT_SESSION_TTL_S, Handler
+from toktier_backend.faces import triton_io
+from toktier_backend.faces.triton import DEFAULT_MAX_TEXT_BYTES, DEFAULT_SESSION_TTL_S, Handler
 
 MAX_BATCH_SIZE = 8
 EMPTY_PAD = -1  # stands for "no ids": PyTriton 0.7 cannot send a zero-size INPUT_ID

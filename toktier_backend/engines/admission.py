@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from .spec import TokenizerSpec
+from toktier_backend.spec import TokenizerSpec
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ def admit(spec: TokenizerSpec, engine, *, cache: bool = True) -> Admission:
         return Admission(False, [], reason)
     key = guard_key(spec, engine)
     path = _cache_dir() / "guard" / key
-    bundled = Path(__file__).parent / "data" / "guard" / key  # precomputed for the files we test
+    bundled = Path(__file__).parents[1] / "data" / "guard" / key  # precomputed for the files we test
     if cache and bundled.is_file():
         path = bundled
     if cache and path.is_file():
@@ -300,9 +300,9 @@ def _main(argv: list[str] | None = None) -> None:
     import argparse
     import time
 
-    from .engines.registry import FAST_ENGINE_ORDER, create
-    from .errors import EngineUnavailable
-    from .spec import load_spec
+    from toktier_backend.engines.registry import FAST_ENGINE_ORDER, create
+    from toktier_backend.errors import EngineUnavailable
+    from toktier_backend.spec import load_spec
 
     ap = argparse.ArgumentParser(description=_main.__doc__)
     ap.add_argument("files", nargs="+")
@@ -310,7 +310,7 @@ def _main(argv: list[str] | None = None) -> None:
                     help=f"engine to compute for (repeatable; default: each of {', '.join(FAST_ENGINE_ORDER)} that loads the file)")
     ap.add_argument("--cache", action="store_true", help="write to the user cache instead of data/guard")
     args = ap.parse_args(argv)
-    out = _cache_dir() / "guard" if args.cache else Path(__file__).parent / "data" / "guard"
+    out = _cache_dir() / "guard" if args.cache else Path(__file__).parents[1] / "data" / "guard"
     out.mkdir(parents=True, exist_ok=True)
     for f, name in ((f, name) for f in args.files for name in args.engine or FAST_ENGINE_ORDER):
         spec = load_spec(f)

@@ -31,16 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .admission import Admission, admit, check_offsets, reference_only
-from .engines.hf import HFEngine
-from .engines.registry import FAST_ENGINE_ORDER, create
-from .errors import EngineUnavailable, InvalidRequest, ToktierError, UnsupportedTokenizer
-from .parallel import ChunkedEncoder
-from .pipeline.cuts import CutFinder
-from .pipeline.prefix_index import PrefixIndex
-from .pipeline.text_store import TextStore
-from .pipeline.token_buffer import TokenBuffer
-from .spec import TokenizerSpec, load_spec, resolve_path
+from toktier_backend.engines.admission import Admission, admit, check_offsets, reference_only
+from toktier_backend.engines.hf import HFEngine
+from toktier_backend.engines.registry import FAST_ENGINE_ORDER, create
+from toktier_backend.errors import EngineUnavailable, InvalidRequest, ToktierError, UnsupportedTokenizer
+from toktier_backend.pipeline.chunked import ChunkedEncoder
+from toktier_backend.pipeline.cuts import CutFinder
+from toktier_backend.pipeline.prefix_index import PrefixIndex
+from toktier_backend.pipeline.text_store import TextStore
+from toktier_backend.pipeline.token_buffer import TokenBuffer
+from toktier_backend.spec import TokenizerSpec, load_spec, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class RepairInfo:
         reused: ids of the previous reply that are still valid (Triton's ``KEEP``).
         reencoded: ids produced by this request's encode.
         engine: ``"fastokens"``, ``"gigatoken"`` or ``"hf"``; ``"fastokens+hf"`` when a chunked encode
-            (``parallel.py``) sent some chunks to the reference.
+            (``pipeline/chunked.py``) sent some chunks to the reference.
         fallback: why the reference (or a full encode) served what the fast path would have: ``""`` (it
             did not), ``"guarded"`` (guarded code point), ``"engine_error"``, ``"quarantined"`` (route
             quarantined, or the session rebuilt after a quarantine), ``"no_cut"`` (no stable cut in the
@@ -157,7 +157,7 @@ class Tokenizer:
         self.quarantined: dict[str, str] = {}
         #: Bumped by every new quarantine: sessions built before it rebuild once from the reference.
         self.quarantine_epoch = 0
-        #: Long texts: chunked at stable cuts, chunks encoded in parallel on the shared pool (``parallel.py``).
+        #: Long texts: chunked at stable cuts, chunks encoded in parallel on the shared pool (``pipeline/chunked.py``).
         self.chunked = ChunkedEncoder(self)
 
     # ------------------------------------------------------------------ construction
@@ -319,7 +319,7 @@ class Tokenizer:
 
     def _encode_with(self, text: str, add_special_tokens: bool, fresh) -> tuple[np.ndarray, str]:
         """:meth:`encode` with the body of the text from ``fresh(text) -> (int32[n] body ids, label)``
-        (:meth:`encode_fresh`; a GPU model instance passes its router, ``serving/handler.py``). Validation
+        (:meth:`encode_fresh`; a GPU model instance passes its router, ``faces/triton.py``). Validation
         and the post-processor are the same whatever ``fresh`` is.
 
         Returns:

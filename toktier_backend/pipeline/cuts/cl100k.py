@@ -6,7 +6,7 @@ Regex (openai/tiktoken ``cl100k_base``; meta-llama/llama3 ``tokenizer.py``)::
     (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|
     \\s*[\\r\\n]+|\\s+(?!\\S)|\\s+
 
-Same obligation as ``byte_level.py``: the match holding ``x = text[c-1]`` must end at ``c`` in the whole
+Same obligation as ``gpt2.py``: the match holding ``x = text[c-1]`` must end at ``c`` in the whole
 text and in ``text[:c]``.
 
 Rule A — ``x`` ASCII letter or digit, ``y == ' '``: letters/digits are only followed inside a match by
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from ._chars import ALNUM, GRAPH
+from toktier_backend.pipeline.cuts._chars import ALNUM, GRAPH
 
 NAME = "cl100k"
 SEAM = re.compile(r"(?<=[A-Za-z0-9])(?= )|(?<=\n)(?=[!-~])")

@@ -11,7 +11,7 @@ whole text it tracks, so the ids stay exact:
 - a request failed in transport (timeout, connection reset; the server may have applied it): the next
   request sends the whole text with ``REPLY=full``.
 
-Behind a proxy (``toktier fleet``, :mod:`toktier_backend.serving.fleet`) every request carries the session
+Behind a proxy (``toktier fleet``, :mod:`toktier_backend.deploy.fleet`) every request carries the session
 key in the ``x-toktier-session`` header, so the proxy keeps a session on one replica; a replica that lacks
 it answers as above and the whole text rebuilds it. Every START after the first uses a new sequence ID
 (:attr:`SessionClient.sequence_id`), so a replica still holding an older state of a session that moved
@@ -41,7 +41,7 @@ from typing import Any, Literal
 import numpy as np
 
 from toktier_backend.errors import InvalidRequest, ToktierError, UnknownSession
-from toktier_backend.serving.fleet import SESSION_HEADER, routing_key
+from toktier_backend.deploy.fleet import SESSION_HEADER, routing_key
 
 _counter = itertools.count(1)
 

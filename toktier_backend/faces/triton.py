@@ -1,7 +1,7 @@
 """The one request handler behind both serving faces: the Triton Python backend models and PyTriton.
 
 Pure Python and numpy: no Triton import. ``model_repository/*/1/model.py`` and
-:mod:`toktier_backend.serving.pytriton_app` turn tensors into one :class:`Handler` call and the returned dict
+:mod:`toktier_backend.faces.pytriton` turn tensors into one :class:`Handler` call and the returned dict
 back into tensors.
 
 Sessions live in a :class:`SessionStore`, keyed by the Triton **correlation ID** (an ``int`` or a ``str``, as
@@ -9,9 +9,9 @@ Sessions live in a :class:`SessionStore`, keyed by the Triton **correlation ID**
 sequence batcher). START replaces whatever the key held, END frees it after the reply, and a session idle
 for longer than the store's TTL is dropped; the TTL is set from the sequence batcher's
 ``max_sequence_idle_microseconds`` so that the store forgets a session when Triton does. The store also
-holds a byte budget (LRU eviction): see :mod:`toktier_backend.pipeline.session_store`.
+holds a byte budget (LRU eviction): see :mod:`toktier_backend.serving.session_store`.
 
-Each reply may be sampled by the shadow verifier (:mod:`toktier_backend.pipeline.verifier`) and every request
+Each reply may be sampled by the shadow verifier (:mod:`toktier_backend.serving.verifier`) and every request
 is counted in the ``toktier_*`` metrics (:mod:`toktier_backend.serving.metrics`).
 """
 
@@ -27,14 +27,15 @@ from typing import Any, Callable, Hashable, Mapping
 import numpy as np
 
 import toktier_backend as tt
-from toktier_backend import parallel
+from toktier_backend.pipeline.chunked import MIN_CHARS as CHUNKED_MIN_CHARS
+from toktier_backend.runtime import pool as runtime_pool
 from toktier_backend.errors import InvalidRequest, ToktierError, UnknownSession
-from toktier_backend.pipeline.session_store import (  # noqa: F401  (re-exported: the store used to live here)
+from toktier_backend.serving.session_store import (  # noqa: F401  (re-exported: the store used to live here)
     DEFAULT_SESSION_TTL_S,
     SessionEntry,
     SessionStore,
 )
-from toktier_backend.serving import triton_io
+from toktier_backend.faces import triton_io
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ class Handler:
         clock: monotonic clock in seconds, for the store.
         verifier: a shadow ``Verifier`` for this tokenizer (``None``: replies are not sampled).
         metrics: a ``serving.metrics.Metrics`` (``None``: nothing recorded).
-        pool: the CPU pool (``toktier_backend.parallel.CpuPool``; ``None``: the process-wide
-            ``parallel.shared_pool()``). Session steps go through ``pool.call`` at ``REPAIR`` priority (they
+        pool: the CPU pool (``toktier_backend.runtime.pool.CpuPool``; ``None``: the process-wide
+            ``runtime_pool.shared_pool()``). Session steps go through ``pool.call`` at ``REPAIR`` priority (they
             run at once on the calling thread, counted by the pool, and a long encode's conversion yields the
             GIL to them) and the tokenizer's chunked full encodes run on its workers at ``CHUNK`` priority;
             ``pool.stats()`` gives queue depth, tasks in flight, wait and run times.
@@ -92,7 +93,7 @@ class Handler:
         clock: Callable[[], float] = time.monotonic,
         verifier: Any = None,
         metrics: Any = None,
-        pool: parallel.CpuPool | None = None,
+        pool: runtime_pool.CpuPool | None = None,
         router: Any = None,
     ):
         if max_text_bytes <= 0:
@@ -114,7 +115,7 @@ class Handler:
             index.budget_bytes = min(index.budget_bytes, self.store.max_bytes)
             self.store.share_budget(index)
             index.on_grow = self._enforce_budget
-        self.pool = pool if pool is not None else parallel.shared_pool()
+        self.pool = pool if pool is not None else runtime_pool.shared_pool()
         if hasattr(tokenizer, "chunked"):
             if pool is not None:
                 tokenizer.chunked.pool = pool
@@ -149,7 +150,7 @@ class Handler:
         repairs), ``pool_nice`` (added to the general workers' nice value), ``pool_pin`` (1: pin chunk workers),
         ``chunk_chars`` (0 = ``ChunkedEncoder.step``'s default), ``parallel_min_chars`` (chunked full encode,
         chars) and ``long_text_strategy`` (``auto``: measured at load, per kind of text; ``chunks`` or ``whole``; see
-        ``toktier_backend.parallel``);
+        ``toktier_backend.pipeline.chunked``);
         for a ``toktier_encode`` instance of kind ``"GPU"``: ``gpu_engine`` (``"auto"``: GPU engine on
         ``device_id`` when it loads and passes the canary, else the CPU; ``"off"``), ``gpu_crossover_chars``
         (texts of at least this many chars go to the GPU) and ``gpu_max_queue`` (see ``gpu/routing.py``).
@@ -173,7 +174,7 @@ class Handler:
             except ValueError:
                 raise ValueError(f"model parameter {key}={raw!r} is not a valid {kind.__name__}") from None
 
-        pool = parallel.configure_shared_pool(num("pool_workers", "0") or None, express=num("pool_express", "1"),
+        pool = runtime_pool.configure_shared_pool(num("pool_workers", "0") or None, express=num("pool_express", "1"),
                                               nice=num("pool_nice", "0"), pin=num("pool_pin", "1") != 0)
         handler = cls.from_spec(
             params.get("tokenizer", "default"),
@@ -187,14 +188,14 @@ class Handler:
         chunked = getattr(handler.tokenizer, "chunked", None)
         if chunked is not None:
             chunked.chunk_chars = num("chunk_chars", "0") or None  # 0: ChunkedEncoder.step's default
-            chunked.min_chars = num("parallel_min_chars", str(parallel.MIN_CHARS))
+            chunked.min_chars = num("parallel_min_chars", str(CHUNKED_MIN_CHARS))
             strategy = (params.get("long_text_strategy") or "auto").strip().lower()
             if strategy not in ("auto", "chunks", "whole"):
                 raise ValueError(f"model parameter long_text_strategy={strategy!r} is not one of "
                                  "['auto', 'chunks', 'whole']")
             if strategy != "auto":  # (auto: what prepare() measured at load)
                 chunked.strategy = strategy
-        from toktier_backend.pipeline.verifier import Verifier
+        from toktier_backend.serving.verifier import Verifier
         from toktier_backend.serving.metrics import get_metrics
 
         handler.metrics = get_metrics()
@@ -300,9 +301,9 @@ class Handler:
                 self._sync()
                 if start and self.store.get(corr_id, touch=False) is not None:  # an idle one counts as idle
                     self.store.pop(corr_id, "start")
-                # at REPAIR priority: runs now on this thread, never behind chunks of long encodes (parallel.py)
+                # at REPAIR priority: runs now on this thread, never behind chunks of long encodes (pipeline/chunked.py)
                 out, entry, mode = self.pool.call(self._session_step, corr_id, text, mode, reply, add_special,
-                                                  start, priority=parallel.REPAIR)
+                                                  start, priority=runtime_pool.REPAIR)
             except ToktierError as e:
                 self._count_error("toktier_session", e)
                 raise

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .proxy import DEFAULT_SESSION_HEADER
+from toktier_backend.faces.proxy import DEFAULT_SESSION_HEADER
 
 
 def add_proxy_parser(subparsers) -> argparse.ArgumentParser:
@@ -40,7 +40,7 @@ def add_proxy_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_proxy(args: argparse.Namespace) -> int:
-    from .proxy import serve_proxy
+    from toktier_backend.faces.proxy import serve_proxy
 
     return serve_proxy(
         args.tokenizer,

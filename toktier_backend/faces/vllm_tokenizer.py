@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from toktier_backend.errors import UnsupportedTokenizer
 
-from .sessions import DEFAULT_MIN_PREFIX_CHARS, SessionCache
+from toktier_backend.serving.prefix_sessions import DEFAULT_MIN_PREFIX_CHARS, SessionCache
 
 log = logging.getLogger(__name__)
 

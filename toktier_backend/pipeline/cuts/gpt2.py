@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from ._chars import ALNUM, GRAPH
+from toktier_backend.pipeline.cuts._chars import ALNUM, GRAPH
 
 NAME = "gpt2"
 #: Candidate seams (superset of the rules; the predicate decides).

@@ -1,0 +1,1 @@
+"""Processes: the ``tritonserver`` (or PyTriton) process behind ``toktier serve``, and the nginx fleet."""

@@ -1,0 +1,1 @@
+"""Threads that run work: the shared CPU pool."""
