@@ -329,6 +329,7 @@ class ChatProcessor:
         opts = request.get("stream_options") or {}
         want_usage = not request.get("stream") or bool(opts.get("include_usage"))
         n_out, first = 0, True
+        cached: int | None = None  # prompt ids the worker found in its KV cache (its completion_usage)
 
         def chunk(content: str | None, finish: str | None) -> dict[str, Any]:
             nonlocal first
@@ -343,7 +344,11 @@ class ChatProcessor:
             if finish is not None and want_usage:
                 out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                 "total_tokens": n_prompt + n_out}
+                if cached is not None:
+                    out["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
             out["llm_metrics"] = {"input_tokens": n_prompt, "output_tokens": n_out, "chunk_tokens": 0}
+            if cached is not None:
+                out["llm_metrics"]["cached_tokens"] = cached
             return {"_dynamo_annotated": True, "data": out}
 
         stream = await self.routed_engine.generate(preproc, context=context)
@@ -359,6 +364,10 @@ class ChatProcessor:
                 msg = data.get("message") if data.get("status") == "error" else f"no token_ids in {data!r}"
                 yield {"_dynamo_annotated": True, "event": "error", "comment": [str(msg)]}
                 return
+            usage = data.get("completion_usage")
+            if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens_details"), dict):
+                c = usage["prompt_tokens_details"].get("cached_tokens")
+                cached = c if isinstance(c, int) else cached
             ids = data.get("token_ids") or []
             n_out += len(ids)
             text = "".join(piece for t in ids if (piece := decoder.step(self.hf, int(t))) is not None)
