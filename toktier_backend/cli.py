@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     from toktier_backend.deploy.fleet import add_fleet_parser  # stdlib only: replicas + nginx (`toktier fleet`)
 
     add_fleet_parser(sub)
+    p = sub.add_parser("dynamo", add_help=False, prefix_chars="\0",
+                       help="Dynamo's frontend (all its flags) with the toktier chat processor (needs ai-dynamo)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: __import__("toktier_backend.faces.dynamo", fromlist=["main"]).main(a.args))
     return ap
 
 
