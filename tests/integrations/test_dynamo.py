@@ -168,8 +168,10 @@ class Stack:
                     MODEL, "--speedup-ratio", "100", "--enable-prefix-caching", "--block-size", str(BLOCK)]
         self.procs.append(Proc(args, self.env, self.tmp / f"{self.engine}.log"))
 
-    def start_face(self) -> Proc:
-        args = [sys.executable, "-m", "toktier_backend.faces.dynamo", "--http-host", "127.0.0.1", "--http-port",
+    def start_face(self, *, cli: bool = False) -> Proc:
+        """Our frontend: ``python -m toktier_backend.faces.dynamo``, or the ``toktier dynamo`` subcommand."""
+        entry = ["-m", "toktier_backend.cli", "dynamo"] if cli else ["-m", "toktier_backend.faces.dynamo"]
+        args = [sys.executable, *entry, "--http-host", "127.0.0.1", "--http-port",
                 str(self.port), "--router-mode", "kv", "--kv-cache-block-size", str(BLOCK),
                 "--toktier-metrics-port", str(self.metrics_port), "--toktier-verifier-first-n", "1000",
                 *self.face_args]
@@ -335,7 +337,7 @@ def test_kill_processor_mid_conversation_next_turn_exact(tmp_path, model_dir, re
             assert _last_received_after(s, n) == reference(convo[:k])
         face.stop(signal.SIGKILL)  # the processor dies holding the session
         s.procs.remove(face)
-        s.start_face()
+        s.start_face(cli=True)  # restarted through `toktier dynamo`
         for k in users[3:5]:
             n = len(s.received())
             status, reply = s.chat(convo[:k], user="agent-7")
