@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install ai-dynamo 1.6.1 (frontend, mocker, runtime) into the active Python environment, from PyPI only.
 #
-# On a machine that reaches the usual index, `pip install ai-dynamo==1.6.1` is all it takes. Here (PyPI
-# only) that fails: ai-dynamo 1.6.1 requires aisimulate==0.13.0, which pip cannot get from PyPI here (it resolves to another index, unreachable from this machine). aisimulate is imported
-# only by Dynamo's planner / profiler / simulation code, never by `dynamo.frontend`, `dynamo.mocker` or the
+# On a machine that reaches the usual index, `pip install ai-dynamo==1.6.1` is all it takes. With PyPI
+# only, that fails: ai-dynamo 1.6.1 requires aisimulate==0.13.0, which pip cannot get from PyPI (it
+# resolves to another index, unreachable here). aisimulate is imported only by Dynamo's planner / profiler / simulation code, never by `dynamo.frontend`, `dynamo.mocker` or the
 # runtime, so this installs the runtime wheel, then ai-dynamo without its dependencies, then the rest of its
 # requirements by hand (the list read from the 1.6.1 wheel's metadata, aisimulate left out).
 #
