@@ -3,11 +3,11 @@
 #
 # On a machine that reaches the usual index, `pip install ai-dynamo==1.6.1` is all it takes. With PyPI
 # only, that fails: ai-dynamo 1.6.1 requires aisimulate==0.13.0, which pip cannot get from PyPI (it
-# resolves to another index, unreachable here). aisimulate is imported only by Dynamo's planner / profiler / simulation code, never by `dynamo.frontend`, `dynamo.mocker` or the
-# runtime, so this installs the runtime wheel, then ai-dynamo without its dependencies, then the rest of its
-# requirements by hand (the list read from the 1.6.1 wheel's metadata, aisimulate left out).
+# resolves to another index, unreachable here). aisimulate is imported only by Dynamo's planner / profiler /
+# simulation code, never by `dynamo.frontend`, `dynamo.mocker` or the runtime, so this installs the runtime
+# wheel, then ai-dynamo without its dependencies, then the rest of its requirements by hand (the list read from the 1.6.1 wheel's metadata, aisimulate left out).
 #
-# Usage: . .venv/bin/activate && deploy/install_dynamo.sh      (idempotent; about a minute with a warm cache)
+# Usage: . .venv/bin/activate && deploy/install_dynamo.sh      (idempotent; 25-30 s here with a warm pip cache)
 set -euo pipefail
 VERSION="${DYNAMO_VERSION:-1.6.1}"
 PY="${PYTHON:-python}"

@@ -310,10 +310,8 @@ class ChatProcessor:
             text = self.prompt(request)
             stop_texts, stop_ids = _stops(request)
             enc = await asyncio.to_thread(self.sessions.encode, session_key(request), text)
-        except ToktierError as e:
+        except ToktierError as e:  # InvalidRequest included: Dynamo answers 400 with this message
             raise InvalidArgument(f"{type(e).__name__}: {e}") from e
-        except InvalidRequest as e:
-            raise InvalidArgument(str(e)) from e
         preproc = self.preprocessed(request, enc.ids, stop_ids)
         async for item in self._stream(request, preproc, len(enc.ids), stop_texts, context):
             yield item
