@@ -259,6 +259,24 @@ def test_streaming_chunks_and_stop_string(echo, reference):
     status, reply = echo.chat(msgs, stop=[" echo"])  # text stop applied to the detokenized reply
     assert status == 200 and reply["choices"][0]["message"]["content"] == ECHO_REPLY.split(" echo")[0]
     assert reply["choices"][0]["finish_reason"] == "stop"
+    # streamed, a stop string across two tokens (" the" + " echo"): the text that could begin it is held
+    # back, never sent then taken back
+    status, raw = echo.chat(msgs, stream=True, stop=["e ec", "worker"])
+    deltas = [c["delta"].get("content", "") for line in raw.decode().splitlines()
+              if line.startswith("data:") and line[5:].strip() != "[DONE]"
+              for c in json.loads(line[5:]).get("choices", [])]
+    assert "".join(deltas) == ECHO_REPLY.split("e ec")[0] == "Hello from th"
+
+
+def test_session_key_precedence():
+    from toktier_backend.faces.dynamo import session_key
+
+    full = {"metadata": {"session_id": "m"}, "prompt_cache_key": "p", "user": "u"}
+    assert session_key(full) == "metadata.session_id:m"
+    assert session_key({**full, "metadata": {"other": 1}}) == "prompt_cache_key:p"
+    assert session_key({**full, "metadata": None, "prompt_cache_key": ""}) == "user:u"
+    assert session_key({"user": 7}) == "user:7"
+    assert session_key({"user": True, "metadata": {"session_id": 0}}) is None
 
 
 @pytest.mark.parametrize("field", ["metadata", "prompt_cache_key", "user", "prefix"])

@@ -543,12 +543,19 @@ async def _amain(argv: list[str] | None) -> int:
                  "tls_client_ca_cert_path", "namespace", "namespace_prefix"):
         if getattr(config, name, None) is not None and getattr(config, name) != "":
             kwargs[name] = getattr(config, name)
+    if config.kserve_grpc_server and config.grpc_metrics_port:
+        kwargs["http_metrics_port"] = config.grpc_metrics_port
     engine = await make_engine(runtime, EntrypointArgs(EngineType.Dynamic, **kwargs))
     routes = load_frontend_route_extensions(config.frontend_route_extensions)
     print(f"toktier dynamo: http://{config.http_host}:{config.http_port} (chat: toktier processor; "
           f"toktier metrics :{args.toktier_metrics_port})", flush=True)
-    try:
-        await run_input(runtime, "http", engine, routes)
+    try:  # the three inputs of dynamo.frontend: text (--interactive), KServe gRPC, HTTP
+        if config.interactive:
+            await run_input(runtime, "text", engine)
+        elif config.kserve_grpc_server:
+            await run_input(runtime, "grpc", engine)
+        else:
+            await run_input(runtime, "http", engine, routes)
     except asyncio.CancelledError:
         pass
     finally:
