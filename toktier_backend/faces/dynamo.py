@@ -567,6 +567,7 @@ async def _amain(argv: list[str] | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run Dynamo's frontend with the toktier chat processor until SIGTERM / SIGINT."""
     try:
+        import dynamo.frontend.frontend_args  # noqa: F401
         import uvloop
     except ImportError as e:
         raise SystemExit("toktier dynamo needs ai-dynamo 1.6.1 in this environment: deploy/install_dynamo.sh "
