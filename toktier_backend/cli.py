@@ -43,6 +43,12 @@ def _guard_tables(args) -> int:
     return 0
 
 
+def _dynamo(args) -> int:
+    from toktier_backend.faces.dynamo import main  # imports ai-dynamo only when the command runs
+
+    return main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="toktier", description="Exact, stateful tokenization for LLM serving.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -92,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     from toktier_backend.deploy.fleet import add_fleet_parser  # stdlib only: replicas + nginx (`toktier fleet`)
 
     add_fleet_parser(sub)
+    p = sub.add_parser("dynamo", add_help=False, prefix_chars="\0",
+                       help="Dynamo's frontend (all its flags) with the toktier chat processor (needs ai-dynamo)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_dynamo)
     return ap
 
 
