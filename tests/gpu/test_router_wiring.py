@@ -116,6 +116,9 @@ class RefGpu:
             ids = ids[:-1]  # one id short: the canary must refuse it
         return np.asarray(ids, dtype=np.int32)
 
+    def encode_batch(self, texts):
+        return [self.encode(t) for t in texts]
+
 
 def gpu_model(tmp_path, *, kind="GPU", **params):
     # engine "hf": the CPU side's fast engine is not what these tests are about, and gigatoken's load is
