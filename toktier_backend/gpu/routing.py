@@ -141,12 +141,13 @@ class GpuRouter:
         gpu_k: list[int] = []
         cpu_k: list[tuple[int, str]] = []
         for k, text in enumerate(texts):
-            route = self.route(text)
-            if route == "gpu":
-                bad = _lone_surrogate(text)
+            if self.gpu is not None and len(text) >= self.crossover_chars:
+                bad = _lone_surrogate(text)  # before accepts(): its NFC check cannot take one either
                 if bad is not None:
                     out[k] = bad
                     continue
+            route = self.route(text)
+            if route == "gpu":
                 if self._slots.acquire(blocking=False):
                     gpu_k.append(k)
                     continue
