@@ -20,9 +20,14 @@ Per tokenizer (``shared/tokenizers/<name>``):
 Writes a table to stdout and JSON to ``--out``. ``--sim`` runs a tiny version on numba's CUDA simulator
 (checks the script, not the speed).
 
+``--device-check`` runs the staged check of ``bench/gpu_device_check.sh`` instead (exactness on four
+families, 1M-char singles, 8/32/128 x 100K batches, crossover, served GPU vs CPU instances; one JSON; see
+``device_check``), ``--dry-run`` with it on the simulator.
+
 Usage:
     python bench/gpu.py --tokenizers gpt2,llama3_1,qwen3,deepseek_v3 --sizes 10000,100000,1000000
     NUMBA_ENABLE_CUDASIM=1 python bench/gpu.py --sim
+    bash bench/gpu_device_check.sh [--dry-run]
 """
 
 from __future__ import annotations
@@ -322,7 +327,11 @@ def device_check(args) -> int:
             data["families"][name] = {"texts": len(texts), "chars": sum(map(len, texts)), "family": e.tables.family,
                                       "single_mismatch": single_bad, "batch_mismatch": batch_bad,
                                       "router_mismatch": router_bad,
-                                      "exact": not (single_bad or batch_bad or router_bad)}
+                                      "exact": not (single_bad or batch_bad or router_bad),
+                                      # one reply as it came back, for a reader (and a test) to recheck
+                                      "sample": {"text": mixed[0], "ids": None if isinstance(res[0], Exception)
+                                                 else res[0][0].tolist(), "route": None if isinstance(res[0], Exception)
+                                                 else res[0][1]}}
         data["exact"] = all(f["exact"] for f in data["families"].values()) and len(data["families"]) == len(fams)
 
     run_stage("exactness", exactness)
