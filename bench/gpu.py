@@ -398,8 +398,8 @@ def device_check(args) -> int:
         st.check("CPU anchor")
         b = sizes[0]
         texts = [base[k * per:(k + 1) * per] for k in range(b)]
-        hf = timed(lambda: ref(name).encode_batch_fast(texts, add_special_tokens=False)
-                   if hasattr(ref(name), "encode_batch_fast") else ref(name).encode_batch(texts, add_special_tokens=False), 1)
+        hf_batch = getattr(ref(name), "encode_batch_fast", None) or ref(name).encode_batch  # (fast: tokenizers >= 0.21)
+        hf = timed(lambda: hf_batch(texts, add_special_tokens=False), 1)
         data["hf_batch"] = {"batch": b, "wall_p50_ms": pct(hf, 50), "n": len(hf),
                             "ratio_hf_over_gpu": pct(hf, 50) / data["rows"][0]["wall_p50_ms"]}
 
@@ -503,7 +503,8 @@ def _served_arm(args, shared: Path, name: str, gpus: int, dry: bool, st: _Stage)
                 "requests_per_s": n_req / wall, "mb_per_s": n_req * per / 1e6 / wall,
                 "parameters": params}
     except Exception as e:
-        log = (tmp / "tritonserver.log").read_text(errors="replace")[-2000:] if (tmp / "tritonserver.log").exists() else ""
+        logf = tmp / "tritonserver.log"
+        log = logf.read_text(errors="replace")[-2000:] if logf.exists() else ""
         return {"status": "error", "reason": f"{type(e).__name__}: {e}", "log_tail": log}
     finally:
         server.stop()

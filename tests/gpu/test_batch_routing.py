@@ -192,3 +192,34 @@ def test_execute_one_pass_with_bad_requests(tmp_path, monkeypatch):
     assert "max_text_bytes" in responses[4].error.message()
     assert gpu.batches == [[t for t, _ in good if len(t) >= CROSSOVER]]
     model.finalize()
+
+
+def test_pytriton_encode_infer_sends_the_call_as_one_batch(tmp_path):
+    """The PyTriton face's callable: its requests go to ``handle_encode_batch`` together (one device
+    pass for the GPU-sized ones); a bad request raises (PyTriton 0.7 has no per-request error)."""
+    from types import SimpleNamespace
+
+    from toktier_backend.faces.pytriton import encode_infer
+    from toktier_backend.faces.triton import Handler
+
+    name = "qwen3"
+    gpu = RefEngine(name)
+    handler = Handler.from_spec(str(tokenizer_path(name)), engine="hf")
+    handler.router = GpuRouter(routing.FreshCpuEngine(handler.tokenizer), gpu, crossover_chars=CROSSOVER)
+    infer = encode_infer(handler)
+
+    def req(text, flag=None):
+        data = {"TEXT": np.array([[text.encode()]], dtype=np.object_)}
+        if flag is not None:
+            data["ADD_SPECIAL_TOKENS"] = np.array([[flag]], dtype=bool)
+        return SimpleNamespace(data=data, parameters={})
+
+    texts = [TEXTS[1], "hi", TEXTS[2]]
+    out = infer([req(t, True) for t in texts])
+    for text, o in zip(texts, out):
+        want = reference(name).encode(text, add_special_tokens=True).ids or [-1]  # EMPTY_PAD for no ids
+        assert o["INPUT_ID"].reshape(-1).tolist() == want
+    assert gpu.batches == [[TEXTS[1], TEXTS[2]]]
+    with pytest.raises(InvalidRequest, match="max_text_bytes|UTF-8"):
+        infer([req(TEXTS[1]), SimpleNamespace(data={"TEXT": np.array([[b"\xff"]], dtype=np.object_)}, parameters={})])
+    handler.close()

@@ -473,7 +473,9 @@ class Handler:
             raise
         return self.handle_encode(**args)
 
-    def handle_encode_batch(self, batch: list[Mapping[str, np.ndarray | None]]) -> list[dict[str, np.ndarray] | Exception]:
+    def handle_encode_batch(
+        self, batch: list[Mapping[str, np.ndarray | None]]
+    ) -> list[dict[str, np.ndarray] | Exception]:
         """:meth:`handle_encode_tensors` for every request of one ``execute()``, one result per request.
 
         On a GPU instance (``router`` set) the texts of the valid requests are first encoded together

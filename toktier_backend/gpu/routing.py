@@ -56,7 +56,8 @@ class GpuRouter:
     Args:
         cpu_engine: any ``Engine`` (in serving, :class:`FreshCpuEngine`: the tokenizer's own fresh-text
             encode; or the admitted fast engine, or the HF reference); always available.
-        gpu_engine: a ``GpuEngine``, or ``None`` (then every request is routed to the CPU).
+        gpu_engine: a ``GpuEngine`` (``accepts``, ``encode``, ``encode_batch``), or ``None`` (then every
+            request is routed to the CPU).
         crossover_chars: requests with at least this many chars go to the GPU.
         max_queue: requests allowed to wait for the device besides the one running; more go to the CPU.
     """

@@ -40,7 +40,8 @@ class TritonPythonModel:
         for result in self.handler.handle_encode_batch(batch):
             if isinstance(result, Exception):  # one bad request never fails the batch
                 code = getattr(pb_utils.TritonError, triton_io.error_code(result))
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(triton_io.error_message(result), code)))
+                error = pb_utils.TritonError(triton_io.error_message(result), code)
+                responses.append(pb_utils.InferenceResponse(error=error))
             else:
                 tensors = [pb_utils.Tensor(k, v) for k, v in triton_io.with_batch_dim(result, self.batched).items()]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
