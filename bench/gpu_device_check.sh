@@ -58,7 +58,11 @@ fi
 if [ "${#need[@]}" -gt 0 ]; then
   $PY -m pip install -q "${need[@]}" 2>&1 | tail -3 | tee -a "$LOG" || log "pip install ${need[*]} failed: the stages report what is missing"
 fi
-# the project from this checkout (no install step: the stages import it from here)
+# the project from this checkout: an editable install without dependencies where pip can build it offline
+# (setuptools present), and this checkout first on PYTHONPATH either way (tritonserver's stubs inherit it)
+if [ "$DRY" -eq 0 ] && ! (cd /tmp && $PY -c "import toktier_backend" 2>/dev/null); then
+  $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 | tee -a "$LOG" || log "editable install failed; PYTHONPATH only"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d shared/tokenizers ]; then export TOKTIER_SHARED="$PWD/shared"; fi
 : "${TOKTIER_SHARED:=$PWD/../shared}"
