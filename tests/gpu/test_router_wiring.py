@@ -116,11 +116,16 @@ class RefGpu:
             ids = ids[:-1]  # one id short: the canary must refuse it
         return np.asarray(ids, dtype=np.int32)
 
+    def encode_batch(self, texts):
+        return [self.encode(t) for t in texts]
+
 
 def gpu_model(tmp_path, *, kind="GPU", **params):
     # engine "hf": the CPU side's fast engine is not what these tests are about, and gigatoken's load is
     # ~0.5 s of each model load here
-    base = {"tokenizer": str(reference_path(NAME)), "engine": "hf", "gpu_crossover_chars": "4", "verifier_rate": "0",
+    # gpu_max_queue 16: run()'s one batch of 6 fits the queue, so every GPU-sized request shares the pass
+    base = {"tokenizer": str(reference_path(NAME)), "engine": "hf", "gpu_crossover_chars": "4", "gpu_max_queue": "16",
+            "verifier_rate": "0",
             "verifier_first_n": "0", "quarantine_file": str(tmp_path / "q.json"),
             "pool_workers": "0", "pool_express": "1", "pool_nice": "0"}  # = the default shared pool
     return load_model("toktier_encode", kind=kind, device_id=0, parameters={**base, **params})

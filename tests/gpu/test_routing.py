@@ -27,6 +27,9 @@ class Fake:
             raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
         return np.arange(len(text), dtype=np.int32)
 
+    def encode_batch(self, texts):
+        return [self.encode(t) for t in texts]
+
 
 def test_small_requests_stay_on_cpu():
     r = GpuRouter(Fake("cpu"), Fake("gpu"), crossover_chars=100)

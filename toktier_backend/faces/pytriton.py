@@ -87,10 +87,16 @@ def session_infer(handler: Handler):
 
 
 def encode_infer(handler: Handler):
-    """The ``toktier_encode`` inference callable."""
+    """The ``toktier_encode`` inference callable: the call's requests go to ``Handler.handle_encode_batch``
+    together (with a GPU router, their GPU share is one device pass). PyTriton 0.7 has no per-request
+    error, so a failed request raises and fails its call; without a dynamic batcher a call holds one."""
 
     def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
-        return [_padded(handler.handle_encode_tensors({n: r.data.get(n) for n in triton_io.ENCODE_INPUTS})) for r in requests]
+        results = handler.handle_encode_batch([{n: r.data.get(n) for n in triton_io.ENCODE_INPUTS} for r in requests])
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return [_padded(result) for result in results]
 
     return infer
 
@@ -106,11 +112,15 @@ def create(
     session_idle_s: float | None = None,
     log_path: str | Path | None = None,
     parameters: dict[str, str] | None = None,
+    gpu_device: int | None = None,
 ):
     """Build a ``pytriton.triton.Triton`` with both models bound (not started: call ``.run()``).
 
     ``parameters`` are the model parameters of ``model_repository`` (``tokenizer_sha256``,
     ``session_budget_bytes``, ``verifier_rate``, ...; see ``Handler.from_parameters``).
+    ``gpu_device``: serve ``toktier_encode`` as a Triton GPU instance would, through a
+    ``gpu.routing.GpuRouter`` on that CUDA device (``gpu_router_for``: canary at load, CPU fallback, never a
+    failed load), with the parameters ``gpu_crossover_chars`` and ``gpu_max_queue``; ``None``: CPU only.
 
     Returns:
         ``(triton, handler)``.
@@ -123,6 +133,17 @@ def create(
         {**(parameters or {}), "tokenizer": tokenizer, "max_text_bytes": str(max_text_bytes or DEFAULT_MAX_TEXT_BYTES)},
         session_ttl_s=session_idle_s or DEFAULT_SESSION_TTL_S,
     )
+    if gpu_device is not None:
+        from toktier_backend.gpu.routing import DEFAULT_CROSSOVER_CHARS, gpu_router_for
+
+        p = parameters or {}
+        handler.router = gpu_router_for(
+            handler.tokenizer, device_id=int(gpu_device),
+            crossover_chars=int(p.get("gpu_crossover_chars") or DEFAULT_CROSSOVER_CHARS),
+            max_queue=int(p.get("gpu_max_queue") or 4),
+        )
+        if handler.metrics is not None:
+            handler.metrics.observe_gpu_engine("toktier_encode", handler.router.gpu_status)
     config = TritonConfig(
         http_address=host,
         http_port=http_port,

@@ -473,6 +473,49 @@ class Handler:
             raise
         return self.handle_encode(**args)
 
+    def handle_encode_batch(
+        self, batch: list[Mapping[str, np.ndarray | None]]
+    ) -> list[dict[str, np.ndarray] | Exception]:
+        """:meth:`handle_encode_tensors` for every request of one ``execute()``, one result per request.
+
+        On a GPU instance (``router`` set) the texts of the valid requests are first encoded together
+        (``GpuRouter.batch``: the GPU share of the batch in one device pass, the rest on the CPU, see
+        ``gpu/routing.py``); each request then runs :meth:`handle_encode` as alone (validation,
+        post-processor, metrics, verifier), its body taken from that pass. Without a router, or under a
+        quarantined ``full`` route, each request is encoded on its own.
+
+        Returns:
+            per request, in order: the outputs of :meth:`handle_encode`, or the exception it raised
+            (``InvalidRequest`` for bad tensors, bad UTF-8, lone surrogates, over ``max_text_bytes``;
+            never raised here: one bad request never fails the others).
+        """
+        calls: list[dict[str, Any] | Exception] = []
+        for inputs in batch:
+            try:
+                args = triton_io.encode_args(inputs)
+                self._check_size(args["text"], None)
+                args["text"] = _decode(args["text"], None, self.name)  # a str: the router's batch key
+            except Exception as e:
+                self._count_error("toktier_encode", e)
+                args = e
+            calls.append(args)
+
+        def run_all() -> list[dict[str, np.ndarray] | Exception]:
+            out: list[dict[str, np.ndarray] | Exception] = []
+            for args in calls:
+                try:
+                    out.append(args if isinstance(args, Exception) else self.handle_encode(**args))
+                except Exception as e:  # counted by handle_encode
+                    out.append(e)
+            return out
+
+        texts = [a["text"] for a in calls if isinstance(a, dict)
+                 and not self.tokenizer._reference_only(True if a["add_special"] is None else bool(a["add_special"]))]
+        if self.router is None or "full" in self.tokenizer.quarantined or not texts:
+            return run_all()
+        with self.router.batch(texts):
+            return run_all()
+
     # ------------------------------------------------------------ verifier, metrics
 
     def _sync(self) -> None:

@@ -12,6 +12,14 @@ measured crossover size and the GPU engine accepts it; everything else takes the
 Every route is counted in :attr:`GpuRouter.counts` (never silent), and :meth:`GpuRouter.encode` returns
 the route with the ids. Both engines are exact, so the route never changes the ids.
 
+Batches (:meth:`GpuRouter.encode_many`, one Triton ``execute()``): each request is routed as above; those
+routed to the GPU that get a queue slot share one ``GpuEngine.encode_batch`` call (each text its own
+segment; the engine packs them into one launch sequence of one size class, or more only when their total
+exceeds its ``max_bytes``), and the result is split per request. The requests routed to the CPU are
+encoded on the calling thread while the device pass runs on the router's launch thread. A request that
+cannot be encoded (a lone surrogate, a CPU engine error) gets its own exception; the others their exact
+ids. When the device pass raises, its requests are retried one by one on the CPU (``cpu_gpu_error``).
+
 Wiring (``model_repository/toktier_encode``): each model instance of kind GPU (``instance_group [ { kind:
 KIND_GPU ... } ]``) builds its router with :func:`gpu_router_for` at load: ``GpuEngine(path)`` on the
 instance's device, admitted only if it passes the same load-time canary as the CPU fast engines
@@ -30,6 +38,8 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -46,7 +56,8 @@ class GpuRouter:
     Args:
         cpu_engine: any ``Engine`` (in serving, :class:`FreshCpuEngine`: the tokenizer's own fresh-text
             encode; or the admitted fast engine, or the HF reference); always available.
-        gpu_engine: a ``GpuEngine``, or ``None`` (then every request is routed to the CPU).
+        gpu_engine: a ``GpuEngine`` (``accepts``, ``encode``, ``encode_batch``), or ``None`` (then every
+            request is routed to the CPU).
         crossover_chars: requests with at least this many chars go to the GPU.
         max_queue: requests allowed to wait for the device besides the one running; more go to the CPU.
     """
@@ -65,6 +76,9 @@ class GpuRouter:
         #: (no CUDA device, no numba, unsupported family), ``"canary_failed"``; ``gpu_reason`` says why.
         self.gpu_status = "ok" if gpu_engine is not None else "unavailable"
         self.gpu_reason = ""
+        self._launcher: ThreadPoolExecutor | None = None
+        self._launcher_lock = threading.Lock()
+        self._batch = threading.local()  # results of encode_many served by encode (see batch())
 
     def route(self, text: str) -> str:
         """The route a request would take if the queue had room: ``"gpu"`` or a ``"cpu_*"`` reason."""
@@ -79,7 +93,18 @@ class GpuRouter:
     def encode(self, text: str) -> tuple[np.ndarray, str]:
         """Body ids of ``text`` (``int32[n]``, equal to HF ``encode(text, add_special_tokens=False).ids``)
         and the route taken: ``"gpu"``, ``"cpu_small"``, ``"cpu_no_gpu"``, ``"cpu_not_accepted"``,
-        ``"cpu_queue_full"`` or ``"cpu_gpu_error"``."""
+        ``"cpu_queue_full"`` or ``"cpu_gpu_error"``.
+
+        Inside :meth:`batch` on this thread, a text of that batch (the same ``str`` object) gets its result
+        from the batch's one pass (its exception, if it had one, is raised here)."""
+        held = getattr(self._batch, "results", None)
+        if held is not None:
+            hit = held.get(id(text))
+            if hit is not None and hit[0] is text:
+                result = hit[1]
+                if isinstance(result, BaseException):
+                    raise result
+                return result
         route = self.route(text)
         if route == "gpu":
             if not self._slots.acquire(blocking=False):
@@ -98,6 +123,131 @@ class GpuRouter:
                     self._slots.release()
         self.counts[route] += 1
         return self.cpu.encode(text), route
+
+    def encode_many(self, texts: list[str]) -> list[tuple[np.ndarray, str] | Exception]:
+        """:meth:`encode` for each text of one batch, the GPU share in one device pass.
+
+        Args:
+            texts: the requests' texts (``str``), e.g. the stateless encodes of one Triton ``execute()``.
+
+        Returns:
+            per text, in order: ``(ids, route)`` as :meth:`encode` returns it (``int32[n]`` body ids, equal
+            to HF ``encode(text, add_special_tokens=False).ids``), or the exception that text raised
+            (``InvalidRequest`` for a lone surrogate, whatever the CPU engine raised); never raises for
+            one text. Requests routed to the GPU take one queue slot each (``max_queue`` + 1 in all,
+            shared with concurrent :meth:`encode` calls); those that find none take the CPU
+            (``cpu_queue_full``). A returned array is never written again.
+        """
+        out: list = [None] * len(texts)
+        gpu_k: list[int] = []
+        cpu_k: list[tuple[int, str]] = []
+        for k, text in enumerate(texts):
+            if self.gpu is not None and len(text) >= self.crossover_chars:
+                bad = _lone_surrogate(text)  # before accepts(): its NFC check cannot take one either
+                if bad is not None:
+                    out[k] = bad
+                    continue
+            route = self.route(text)
+            if route == "gpu":
+                if self._slots.acquire(blocking=False):
+                    gpu_k.append(k)
+                    continue
+                route = "cpu_queue_full"
+            cpu_k.append((k, route))
+        pending = None
+        if gpu_k:
+            batch = [texts[k] for k in gpu_k]
+            if cpu_k:  # overlap: the device pass on the launch thread, the CPU share here
+                pending = self._launch_thread().submit(self._device_pass, batch)
+            else:
+                pending = _Done(self._device_pass(batch))
+        for k, route in cpu_k:
+            out[k] = self._cpu_one(texts[k], route)
+        if pending is not None:
+            ids_list, error = pending.result()
+            if error is None:
+                self.counts["gpu"] += len(gpu_k)
+                for k, ids in zip(gpu_k, ids_list):
+                    out[k] = (ids, "gpu")
+            else:
+                for k in gpu_k:
+                    out[k] = self._cpu_one(texts[k], "cpu_gpu_error")
+        return out
+
+    @contextmanager
+    def batch(self, texts: list[str]):
+        """Encode ``texts`` with :meth:`encode_many` now; within the block, :meth:`encode` on this thread
+        returns each one's result (looked up by object identity) instead of encoding it again. A face
+        that encodes request by request (validation, post-processor, metrics per request) thus sends a
+        whole batch to the device in one pass. Yields the list :meth:`encode_many` returned."""
+        results = self.encode_many(texts)
+        previous = getattr(self._batch, "results", None)
+        self._batch.results = {id(t): (t, r) for t, r in zip(texts, results)}
+        try:
+            yield results
+        finally:
+            self._batch.results = previous
+
+    def close(self) -> None:
+        """Stop the launch thread (if one was started)."""
+        with self._launcher_lock:
+            if self._launcher is not None:
+                self._launcher.shutdown(wait=True)
+                self._launcher = None
+
+    # ------------------------------------------------------------------------------ internals
+    def _launch_thread(self) -> ThreadPoolExecutor:
+        with self._launcher_lock:
+            if self._launcher is None:
+                self._launcher = ThreadPoolExecutor(1, thread_name_prefix="toktier-gpu-launch")
+            return self._launcher
+
+    def _device_pass(self, batch: list[str]) -> tuple[list[np.ndarray] | None, str | None]:
+        """One ``encode_batch`` under the device lock; releases the batch's queue slots. Returns the ids
+        per text, or ``(None, error)`` when the engine raised (logged and kept in ``last_error``)."""
+        try:
+            with self._device:
+                got = self.gpu.encode_batch(batch)
+            if len(got) != len(batch):
+                raise RuntimeError(f"encode_batch returned {len(got)} results for {len(batch)} texts")
+            return got, None
+        except Exception as e:  # any device failure: these requests go to the CPU, counted
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.warning("GPU batch encode of %d texts failed (%s); served by the CPU engine", len(batch),
+                        self.last_error)
+            return None, self.last_error
+        finally:
+            for _ in batch:
+                self._slots.release()
+
+    def _cpu_one(self, text: str, route: str) -> tuple[np.ndarray, str] | Exception:
+        self.counts[route] += 1
+        try:
+            return self.cpu.encode(text), route
+        except Exception as e:  # this request's own error (e.g. InvalidRequest); the batch goes on
+            return e
+
+
+class _Done:
+    """A finished result with ``Future.result()``'s shape."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _lone_surrogate(text: str):
+    """``InvalidRequest`` naming the first lone surrogate of ``text`` (UTF-8 cannot encode it), else ``None``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        from toktier_backend.errors import InvalidRequest
+
+        return InvalidRequest(f"TEXT holds a lone surrogate {text[e.start:e.end]!r} at char {e.start}, which UTF-8 "
+                              f"cannot encode. Send valid Unicode text.")
+    return None
 
 
 class FreshCpuEngine:
@@ -134,6 +284,10 @@ class _OnDevice:
     def encode(self, text: str) -> np.ndarray:
         with self._gpus[self.device_id]:
             return self.engine.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        with self._gpus[self.device_id]:
+            return self.engine.encode_batch(texts)
 
 
 def _new_gpu_engine(path: str, device_id: int):

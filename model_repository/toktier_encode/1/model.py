@@ -33,17 +33,18 @@ class TritonPythonModel:
         )
 
     def execute(self, requests):
+        # the whole request list in one call: a GPU instance encodes its GPU share in one device pass
+        batch = [triton_io.read_inputs(lambda n, r=r: pb_utils.get_input_tensor_by_name(r, n), triton_io.ENCODE_INPUTS)
+                 for r in requests]
         responses = []
-        for request in requests:
-            try:
-                outputs = self.handler.handle_encode_tensors(
-                    triton_io.read_inputs(lambda n: pb_utils.get_input_tensor_by_name(request, n), triton_io.ENCODE_INPUTS)
-                )
-                tensors = [pb_utils.Tensor(k, v) for k, v in triton_io.with_batch_dim(outputs, self.batched).items()]
+        for result in self.handler.handle_encode_batch(batch):
+            if isinstance(result, Exception):  # one bad request never fails the batch
+                code = getattr(pb_utils.TritonError, triton_io.error_code(result))
+                error = pb_utils.TritonError(triton_io.error_message(result), code)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                tensors = [pb_utils.Tensor(k, v) for k, v in triton_io.with_batch_dim(result, self.batched).items()]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-            except Exception as e:  # one bad request never fails the batch
-                code = getattr(pb_utils.TritonError, triton_io.error_code(e))
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(triton_io.error_message(e), code)))
         return responses
 
     def finalize(self):
