@@ -89,7 +89,7 @@ def special_tokens(tokenizer_path: str | Path | None) -> dict[str, str]:
         tokenizer_path: the ``tokenizer.json`` or its folder; ``None``: no folder.
 
     Returns:
-        ``{name: token}`` for the names it sets (empty strings left out); ``{}`` when there is no file.
+        ``{name: token}`` for the names it sets to a string; ``{}`` when there is no file.
 
     Raises:
         UnsupportedTokenizer: the file exists but is not readable JSON holding an object (names the file):
@@ -112,7 +112,7 @@ def special_tokens(tokenizer_path: str | Path | None) -> dict[str, str]:
         v = data.get(name)
         if isinstance(v, Mapping):
             v = v.get("content")
-        if isinstance(v, str) and v:
+        if isinstance(v, str):
             out[name] = v
     return out
 

@@ -50,6 +50,19 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory):
+    """Quarantine files (``$TOKTIER_STATE_DIR``) of the cores built without an explicit one go to a temp dir,
+    never to the user's ``~/.cache``."""
+    old = os.environ.get("TOKTIER_STATE_DIR")
+    os.environ["TOKTIER_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("TOKTIER_STATE_DIR", None)
+    else:
+        os.environ["TOKTIER_STATE_DIR"] = old
+
+
 def tokenizer_file(name: str) -> Path:
     """``gpt2`` -> the bundled file; else ``../shared/tokenizers/<name>/tokenizer.json``."""
     p = BUNDLED if name == "gpt2" else SHARED / "tokenizers" / name / "tokenizer.json"
