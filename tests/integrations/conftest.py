@@ -141,3 +141,35 @@ def ensemble_server(tmp_path_factory, hf_folder):
         pytest.fail(str(e))
     yield server
     server.stop()
+
+
+def faulty_core(tokenizer_path, tmp_path, **core_kwargs):
+    """A serving core whose tokenizer's fast engine is :class:`tests.faulty_engine.FaultyEngine` (installed
+    after admission, as a bad engine build would be), with a real shadow verifier that checks every reply
+    (its quarantine file in ``tmp_path``) and real ``toktier_*`` metrics on a private Prometheus registry.
+
+    Returns:
+        ``(core, value)``: ``value(name, **labels)`` sums the registry's samples of ``name`` whose labels
+        include ``labels``.
+    """
+    from prometheus_client import CollectorRegistry
+
+    import toktier_backend as tt
+    from toktier_backend.serving.core import ServingCore
+    from toktier_backend.serving.metrics import Metrics
+    from toktier_backend.serving.verifier import Verifier
+
+    from ..faulty_engine import install
+
+    tok = tt.load_tokenizer(tokenizer_path)  # its own: quarantine is per Tokenizer
+    install(tok)
+    reg = CollectorRegistry()
+    verifier = Verifier(tok, rate=1.0, first_n=0, quarantine_file=tmp_path / "quarantine.json")
+    core = ServingCore(tok, verifier=verifier, metrics=Metrics(reg), **core_kwargs)
+
+    def value(name, **labels):
+        want = set(labels.items())
+        return sum(s.value for fam in reg.collect() for s in fam.samples
+                   if s.name == name and want <= set(s.labels.items()))
+
+    return core, value

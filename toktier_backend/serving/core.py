@@ -165,7 +165,8 @@ class CoreConfig:
 
         Keys: ``tokenizer``, ``tokenizer_sha256``, ``engine``, ``max_text_bytes``, ``session_budget_bytes``,
         ``max_sessions``, ``session_ttl_s``, ``min_prefix_chars``, ``verifier_rate``, ``verifier_first_n``,
-        ``verifier_queue``, ``verifier_debug``, ``quarantine_file``, ``pool_workers`` (0 = one per core),
+        ``verifier_queue``, ``verifier_debug``, ``quarantine_file``, ``pool_workers`` (unset: the process-wide
+        pool as it is; 0 = replace it with one worker per core),
         ``pool_express``, ``pool_nice``, ``pool_pin``, ``chunk_chars`` (0 = the encoder's default),
         ``parallel_min_chars``, ``gpu_engine`` (``auto`` | ``off``), ``gpu_crossover_chars``, ``gpu_max_queue``.
         A value still holding an unfilled ``${...}`` template counts as unset.
@@ -206,7 +207,7 @@ class CoreConfig:
             verifier_queue=num("verifier_queue", d.verifier_queue),
             verifier_debug=parse_bool(raw("verifier_debug"), False, name="model parameter verifier_debug"),
             quarantine_file=raw("quarantine_file") or "",
-            pool_workers=num("pool_workers", 0),
+            pool_workers=num("pool_workers", None),
             pool_express=num("pool_express", d.pool_express),
             pool_nice=num("pool_nice", d.pool_nice),
             pool_pin=parse_bool(raw("pool_pin"), True, name="model parameter pool_pin"),
