@@ -43,12 +43,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from toktier_backend.tokenizer import FAST_ROUTES
+from toktier_backend.tokenizer import FAST_ROUTES, Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-def build_key(tokenizer: Any) -> str:
+def build_key(tokenizer: Tokenizer) -> str:
     """``"<file sha256>/<engine>-<version>"``: what a quarantine and the first-N sampling are per."""
     eng = tokenizer.engine
     return f"{tokenizer.spec.sha256}/{eng.name}-{getattr(eng, 'version', 'unknown')}"
@@ -201,7 +201,7 @@ class Verifier:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         rate: float = 0.01,
         first_n: int = 32,
