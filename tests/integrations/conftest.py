@@ -120,7 +120,8 @@ def auto_tokenizer(folder: str, **kwargs):
 @pytest.fixture(scope="session")
 def ensemble_server(tmp_path_factory, hf_folder):
     """tritonserver (from nvidia-pytriton) on loopback with ``model_repository/`` and the TensorRT-LLM ensemble
-    example, serving the llama3_1 file with a tokenizer_config.json (eos ``<|eot_id|>``; BOS post-processor)."""
+    example, serving the llama3_1 file with a tokenizer_config.json (eos ``<|eot_id|>``; BOS post-processor),
+    the ``toktier_*`` exporter on a free port, every reply verified, and its own quarantine file."""
     require("tritonclient.grpc", "serve")
     require("tritonclient.http", "serve")
     from toktier_backend.faces.trtllm import ENSEMBLE_EXAMPLE_REPOSITORY
@@ -131,9 +132,11 @@ def ensemble_server(tmp_path_factory, hf_folder):
     except FileNotFoundError as e:
         pytest.fail(str(e))
     folder = hf_folder("llama3_1")
-    log = tmp_path_factory.mktemp("ensemble") / "tritonserver.log"
-    server = TritonServer(str(folder), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=60, log_path=log,
-                          exit_timeout_s=3, extra_model_repositories=[ENSEMBLE_EXAMPLE_REPOSITORY])
+    tmp = tmp_path_factory.mktemp("ensemble")
+    server = TritonServer(str(folder), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=60,
+                          log_path=tmp / "tritonserver.log", exit_timeout_s=3, toktier_metrics_port=0,
+                          extra_model_repositories=[ENSEMBLE_EXAMPLE_REPOSITORY],
+                          parameters={"quarantine_file": str(tmp / "quarantine.json"), "verifier_rate": "1.0"})
     server.folder = folder
     try:
         server.start().wait_ready(240)

@@ -372,3 +372,39 @@ def test_faulty_engine_is_caught_and_quarantined_through_preprocessing(hf_folder
     assert value("toktier_request_errors_total", face="trtllm", model="preprocessing", code="INVALID_ARG") == 1
     assert 77 not in core.store  # END freed it
     core.close()
+
+
+@pytest.mark.serving
+def test_ensemble_requests_show_in_toktier_metrics(ensemble_server):
+    """``preprocessing`` inside tritonserver goes through the serving core: its requests (keyed and not) and
+    the shadow verifier's checks of them are in the scraped ``toktier_*`` metrics under ``face="trtllm"``."""
+    import time
+
+    from toktier_backend.serving.metrics import metric, scrape
+
+    mod, client = _client(ensemble_server, "grpc")
+    url = ensemble_server.toktier_metrics_url
+    before = scrape(url)
+    texts = ["metrics through the ensemble", "metrics through the ensemble, next turn"]
+    for i, text in enumerate(texts):
+        r = _infer(mod, client, "ensemble", {"text_input": _obj([[text]]), "max_tokens": np.array([[1]], np.int32)},
+                   sequence_id="metrics-1", sequence_start=i == 0, sequence_end=i == len(texts) - 1)
+        assert r.as_numpy("output_ids").reshape(-1).tolist() == hf_ids("llama3_1", text)
+    r = _infer(mod, client, "ensemble", {"text_input": _obj([["no session"]]), "max_tokens": np.array([[1]], np.int32)})
+    assert r.as_numpy("output_ids").reshape(-1).tolist() == hf_ids("llama3_1", "no session")
+
+    def delta(samples, name, **labels):
+        return metric(samples, name, face="trtllm", model="preprocessing", **labels) - \
+            metric(before, name, face="trtllm", model="preprocessing", **labels)
+
+    deadline = time.monotonic() + 30
+    while True:  # the verifier checks every reply here (verifier_rate 1.0), off the request path
+        after = scrape(url)
+        if delta(after, "toktier_verifier_samples_total") >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delta(after, "toktier_requests_total", mode="full") == 2
+    assert delta(after, "toktier_requests_total", mode="encode", route="encode") == 1
+    assert delta(after, "toktier_verifier_samples_total", result="match") == 3
+    assert metric(after, "toktier_verifier_samples_total", face="trtllm", result="mismatch") == 0
+    assert metric(after, "toktier_quarantined_routes", face="trtllm") == 0
