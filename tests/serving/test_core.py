@@ -252,3 +252,31 @@ def test_from_config_builds_a_serving_core(tmp_path):
 def test_bad_parameters_name_themselves(params, name):
     with pytest.raises(ValueError, match=name):
         CoreConfig.from_parameters(params)
+
+
+def test_concurrent_faces_on_one_core_are_exact(core, turns):
+    """Threads of several faces at once on one core (keyed steps, keyed and prefix encodes, stateless): every
+    reply equals the HF reference; the store's bookkeeping stays consistent."""
+    import concurrent.futures as cf
+
+    def worker(i):
+        ok = True
+        text = f"worker {i}: " + turns[i % len(turns)]
+        r = core.step(A, f"s{i}", text.encode(), start=True)
+        ok &= r.ids.tolist() == hf_ids("bundled", text)
+        for k in range(4):
+            delta = f" turn {k} of {i}"
+            text += delta
+            r = core.step(A, f"s{i}", delta.encode(), mode="delta")
+            ok &= r.ids.tolist() == hf_ids("bundled", text)
+            prompt = f"agent {i % 3} " + text
+            ok &= core.encode(B, prompt).ids.tolist() == hf_ids("bundled", prompt)
+            ok &= core.encode(B, prompt, key=f"c{i % 2}").ids.tolist() == hf_ids("bundled", prompt)
+            ok &= core.encode_stateless(B, delta.encode()).ids.tolist() == hf_ids("bundled", delta)
+        core.step(A, f"s{i}", b"", mode="delta", end=True)
+        return ok
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(worker, range(16)))
+    assert not any(f"s{i}" in core.store for i in range(16))
+    assert core.store.nbytes == sum(e.nbytes for e in core.store._entries.values())

@@ -652,10 +652,11 @@ class ServingCore:
         except InvalidRequest:
             raise  # the tokenizer keeps the session unchanged on a bad request
         except BaseException:
-            if not fresh:
-                # The session may be half-updated: forget it, so the next delta gets NOT_FOUND and the
-                # client resends the whole text (exact over available).
-                self.store.pop(key, "error")
+            with self.store.lock:
+                if not fresh and self.store.holds(key, entry):
+                    # The session may be half-updated: forget it, so the next delta gets NOT_FOUND and the
+                    # client resends the whole text (exact over available).
+                    self.store.pop(key, "error")
             raise
         with self.store.lock:
             entry.text_bytes = size
