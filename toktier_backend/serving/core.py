@@ -347,7 +347,8 @@ class ServingCore:
                 from toktier_backend.gpu.routing import DEFAULT_CROSSOVER_CHARS, gpu_router_for
 
                 router = gpu_router_for(tokenizer, device_id=int(gpu_device),
-                                        crossover_chars=c.gpu_crossover_chars or DEFAULT_CROSSOVER_CHARS,
+                                        crossover_chars=DEFAULT_CROSSOVER_CHARS if c.gpu_crossover_chars is None
+                                        else c.gpu_crossover_chars,
                                         max_queue=c.gpu_max_queue)
             else:
                 log.info("GPU model instance (device %s): gpu_engine=off, serving from the CPU engine", gpu_device)
