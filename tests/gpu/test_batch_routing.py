@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 
+import toktier_backend as tt
 from toktier_backend.errors import InvalidRequest
 from toktier_backend.gpu import routing
 from toktier_backend.gpu.routing import GpuRouter
@@ -204,8 +205,8 @@ def test_pytriton_encode_infer_sends_the_call_as_one_batch(tmp_path):
 
     name = "qwen3"
     gpu = RefEngine(name)
-    handler = Handler.from_spec(str(tokenizer_path(name)), engine="hf")
-    handler.router = GpuRouter(routing.FreshCpuEngine(handler.tokenizer), gpu, crossover_chars=CROSSOVER)
+    tok = tt.load_tokenizer(tokenizer_path(name), engine="hf")
+    handler = Handler(tok, router=GpuRouter(routing.FreshCpuEngine(tok), gpu, crossover_chars=CROSSOVER))
     infer = encode_infer(handler)
 
     def req(text, flag=None):

@@ -89,7 +89,7 @@ TEXTS = ["hello world", "It's 1234567 pipeline<|endoftext|>\r\n\r\n  x", "e\u030
 def counter(name: str, **labels) -> float:
     from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value(name, {"model": "toktier_encode", **labels}) or 0.0
+    return REGISTRY.get_sample_value(name, {"face": "triton", "model": "toktier_encode", **labels}) or 0.0
 
 
 def route_count(route: str) -> float:

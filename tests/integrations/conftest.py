@@ -50,6 +50,19 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory):
+    """Quarantine files (``$TOKTIER_STATE_DIR``) of the cores built without an explicit one go to a temp dir,
+    never to the user's ``~/.cache``."""
+    old = os.environ.get("TOKTIER_STATE_DIR")
+    os.environ["TOKTIER_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("TOKTIER_STATE_DIR", None)
+    else:
+        os.environ["TOKTIER_STATE_DIR"] = old
+
+
 def tokenizer_file(name: str) -> Path:
     """``gpt2`` -> the bundled file; else ``../shared/tokenizers/<name>/tokenizer.json``."""
     p = BUNDLED if name == "gpt2" else SHARED / "tokenizers" / name / "tokenizer.json"
@@ -107,7 +120,8 @@ def auto_tokenizer(folder: str, **kwargs):
 @pytest.fixture(scope="session")
 def ensemble_server(tmp_path_factory, hf_folder):
     """tritonserver (from nvidia-pytriton) on loopback with ``model_repository/`` and the TensorRT-LLM ensemble
-    example, serving the llama3_1 file with a tokenizer_config.json (eos ``<|eot_id|>``; BOS post-processor)."""
+    example, serving the llama3_1 file with a tokenizer_config.json (eos ``<|eot_id|>``; BOS post-processor),
+    the ``toktier_*`` exporter on a free port, every reply verified, and its own quarantine file."""
     require("tritonclient.grpc", "serve")
     require("tritonclient.http", "serve")
     from toktier_backend.faces.trtllm import ENSEMBLE_EXAMPLE_REPOSITORY
@@ -118,9 +132,11 @@ def ensemble_server(tmp_path_factory, hf_folder):
     except FileNotFoundError as e:
         pytest.fail(str(e))
     folder = hf_folder("llama3_1")
-    log = tmp_path_factory.mktemp("ensemble") / "tritonserver.log"
-    server = TritonServer(str(folder), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=60, log_path=log,
-                          exit_timeout_s=3, extra_model_repositories=[ENSEMBLE_EXAMPLE_REPOSITORY])
+    tmp = tmp_path_factory.mktemp("ensemble")
+    server = TritonServer(str(folder), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=60,
+                          log_path=tmp / "tritonserver.log", exit_timeout_s=3, toktier_metrics_port=0,
+                          extra_model_repositories=[ENSEMBLE_EXAMPLE_REPOSITORY],
+                          parameters={"quarantine_file": str(tmp / "quarantine.json"), "verifier_rate": "1.0"})
     server.folder = folder
     try:
         server.start().wait_ready(240)
@@ -128,3 +144,35 @@ def ensemble_server(tmp_path_factory, hf_folder):
         pytest.fail(str(e))
     yield server
     server.stop()
+
+
+def faulty_core(tokenizer_path, tmp_path, **core_kwargs):
+    """A serving core whose tokenizer's fast engine is :class:`tests.faulty_engine.FaultyEngine` (installed
+    after admission, as a bad engine build would be), with a real shadow verifier that checks every reply
+    (its quarantine file in ``tmp_path``) and real ``toktier_*`` metrics on a private Prometheus registry.
+
+    Returns:
+        ``(core, value)``: ``value(name, **labels)`` sums the registry's samples of ``name`` whose labels
+        include ``labels``.
+    """
+    from prometheus_client import CollectorRegistry
+
+    import toktier_backend as tt
+    from toktier_backend.serving.core import ServingCore
+    from toktier_backend.serving.metrics import Metrics
+    from toktier_backend.serving.verifier import Verifier
+
+    from ..faulty_engine import install
+
+    tok = tt.load_tokenizer(tokenizer_path)  # its own: quarantine is per Tokenizer
+    install(tok)
+    reg = CollectorRegistry()
+    verifier = Verifier(tok, rate=1.0, first_n=0, quarantine_file=tmp_path / "quarantine.json")
+    core = ServingCore(tok, verifier=verifier, metrics=Metrics(reg), **core_kwargs)
+
+    def value(name, **labels):
+        want = set(labels.items())
+        return sum(s.value for fam in reg.collect() for s in fam.samples
+                   if s.name == name and want <= set(s.labels.items()))
+
+    return core, value

@@ -243,3 +243,48 @@ def test_cli_proxy_command(upstream, tmp_path):
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out.decode()
     assert b"toktier proxy: stopping" in out
+
+
+# ---------------------------------------------------------------- the serving core behind the face
+
+
+def test_faulty_engine_is_caught_and_quarantined_through_the_proxy(upstream, hf_folder, tmp_path):
+    """A faulty engine build behind the proxy: a session's turn is forwarded with wrong ids once; the shadow
+    verifier catches it and quarantines the fast routes; every later prompt forwarded is exact, and the
+    requests show in ``toktier_*`` under ``face="proxy"``."""
+    from ..faulty_engine import TRIGGER
+    from .conftest import faulty_core
+
+    core, value = faulty_core(hf_folder("qwen3") / "tokenizer.json", tmp_path)
+    p = TokenProxy(core, upstream.url)
+    server = make_server(p, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        turns = ["You are a coding agent.\nuser: fix a.py\n", f"assistant: {TRIGGER} found it\n", "user: thanks\n"]
+        text, sent = "", []
+        for turn in turns:
+            text += turn
+            status, headers, _ = post(base, "/v1/completions", {"prompt": text}, {"X-Session-ID": "faulty-1"})
+            assert status == 200
+            sent.append((text, upstream.last["body"]["prompt"], headers["X-Toktier-Route"]))
+            if len(sent) == 2:
+                assert sent[1][1] != hf_ids("qwen3", text) and sent[1][2] == "append"  # the fault went out
+                assert core.verifier.drain(30) and core.verifier.mismatches == 1
+                assert set(core.tokenizer.quarantined) == {"full", "append", "edit"}
+        assert sent[0][1] == hf_ids("qwen3", sent[0][0]) and sent[2][1] == hf_ids("qwen3", sent[2][0])
+        status, _, _ = post(base, "/v1/completions", {"prompt": f"stateless {TRIGGER}"})
+        assert upstream.last["body"]["prompt"] == hf_ids("qwen3", f"stateless {TRIGGER}")
+        assert core.verifier.drain(30) and core.verifier.mismatches == 1
+        assert value("toktier_verifier_mismatches_total", face="proxy", model="completions", route="append") == 1
+        assert value("toktier_quarantined_routes", face="proxy", model="completions") == 3
+        assert value("toktier_requests_total", face="proxy", model="completions", mode="full") == 3
+        assert value("toktier_requests_total", face="proxy", model="completions", route="encode") == 1
+        assert value("toktier_verifier_samples_total", face="proxy", model="completions", result="match") == 3
+        status, _, _ = post(base, "/v1/completions", {"prompt": "\ud800"})
+        assert status == 400
+        assert value("toktier_request_errors_total", face="proxy", model="completions", code="INVALID_ARG") == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+        core.close()

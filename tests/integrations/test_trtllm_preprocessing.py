@@ -327,3 +327,84 @@ def test_preprocessing_batch_and_errors(ensemble_server):
     assert "INVALID_ARG" in str(e.value.status()) and "InvalidRequest" in str(e.value)
     r = _infer(mod, client, "preprocessing", {"QUERY": _obj([["still serving"]]), "REQUEST_OUTPUT_LEN": np.array([[3]], np.int32)})
     assert r.as_numpy("INPUT_ID").reshape(-1).tolist() == hf_ids("llama3_1", "still serving")
+
+
+# ---------------------------------------------------------------- the serving core behind the face
+
+
+def test_faulty_engine_is_caught_and_quarantined_through_preprocessing(hf_folder, tmp_path):
+    """A faulty engine build behind ``preprocessing``: the wrong ids of a session's turn go out once, the
+    shadow verifier catches them, quarantines the fast routes; from then on every row (keyed or not) is exact,
+    and the requests show in ``toktier_*`` under ``face="trtllm"``."""
+    from toktier_backend.faces.trtllm import PreprocessingHandler
+
+    from ..faulty_engine import TRIGGER
+    from .conftest import faulty_core
+
+    core, value = faulty_core(hf_folder("gpt2") / "tokenizer.json", tmp_path)
+    handler = PreprocessingHandler(core)
+    one = np.array([[1]], np.int32)
+    first = "def pipeline(x):\n    return x\n"
+    out = handler.execute({"QUERY": _obj([[first]]), "REQUEST_OUTPUT_LEN": one}, correlation_id=77, start=True)
+    assert out["INPUT_ID"][0].tolist() == hf_ids("gpt2", first) and out["ROUTE"][0, 0] == b"new"
+    second = first + f"# {TRIGGER} marker"
+    out = handler.execute({"QUERY": _obj([[second]]), "REQUEST_OUTPUT_LEN": one}, correlation_id=77)
+    assert out["ROUTE"][0, 0] == b"append"
+    assert out["INPUT_ID"][0].tolist() != hf_ids("gpt2", second)  # the fault is real and went out
+    assert core.verifier.drain(30) and core.verifier.mismatches == 1
+    assert set(core.tokenizer.quarantined) == {"full", "append", "edit"}
+    assert value("toktier_verifier_mismatches_total", face="trtllm", model="preprocessing", route="append") == 1
+    assert value("toktier_quarantined_routes", face="trtllm", model="preprocessing") == 3
+    # after the quarantine: the session is rebuilt from the reference, stateless rows are exact too
+    third = second + "\nprint(pipeline(1))"
+    out = handler.execute({"QUERY": _obj([[third]]), "REQUEST_OUTPUT_LEN": one}, correlation_id=77, end=True)
+    assert out["INPUT_ID"][0].tolist() == hf_ids("gpt2", third)
+    texts = [f"{TRIGGER} one", f"two {TRIGGER}"]
+    out = handler.execute({"QUERY": _obj([[t] for t in texts]), "REQUEST_OUTPUT_LEN": np.array([[1], [1]], np.int32)})
+    for i, t in enumerate(texts):
+        assert out["INPUT_ID"][i, : out["REQUEST_INPUT_LEN"][i, 0]].tolist() == hf_ids("gpt2", t)
+    assert core.verifier.drain(30) and core.verifier.mismatches == 1
+    assert value("toktier_requests_total", face="trtllm", model="preprocessing", mode="full") == 3
+    assert value("toktier_requests_total", face="trtllm", model="preprocessing", route="encode") == 2
+    assert value("toktier_verifier_samples_total", face="trtllm", model="preprocessing", result="match") == 4
+    with pytest.raises(Exception, match="REQUEST_OUTPUT_LEN"):
+        handler.execute({"QUERY": _obj([["x"]])})
+    assert value("toktier_request_errors_total", face="trtllm", model="preprocessing", code="INVALID_ARG") == 1
+    assert 77 not in core.store  # END freed it
+    core.close()
+
+
+@pytest.mark.serving
+def test_ensemble_requests_show_in_toktier_metrics(ensemble_server):
+    """``preprocessing`` inside tritonserver goes through the serving core: its requests (keyed and not) and
+    the shadow verifier's checks of them are in the scraped ``toktier_*`` metrics under ``face="trtllm"``."""
+    import time
+
+    from toktier_backend.serving.metrics import metric, scrape
+
+    mod, client = _client(ensemble_server, "grpc")
+    url = ensemble_server.toktier_metrics_url
+    before = scrape(url)
+    texts = ["metrics through the ensemble", "metrics through the ensemble, next turn"]
+    for i, text in enumerate(texts):
+        r = _infer(mod, client, "ensemble", {"text_input": _obj([[text]]), "max_tokens": np.array([[1]], np.int32)},
+                   sequence_id="metrics-1", sequence_start=i == 0, sequence_end=i == len(texts) - 1)
+        assert r.as_numpy("output_ids").reshape(-1).tolist() == hf_ids("llama3_1", text)
+    r = _infer(mod, client, "ensemble", {"text_input": _obj([["no session"]]), "max_tokens": np.array([[1]], np.int32)})
+    assert r.as_numpy("output_ids").reshape(-1).tolist() == hf_ids("llama3_1", "no session")
+
+    def delta(samples, name, **labels):
+        return metric(samples, name, face="trtllm", model="preprocessing", **labels) - \
+            metric(before, name, face="trtllm", model="preprocessing", **labels)
+
+    deadline = time.monotonic() + 30
+    while True:  # the verifier checks every reply here (verifier_rate 1.0), off the request path
+        after = scrape(url)
+        if delta(after, "toktier_verifier_samples_total") >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delta(after, "toktier_requests_total", mode="full") == 2
+    assert delta(after, "toktier_requests_total", mode="encode", route="encode") == 1
+    assert delta(after, "toktier_verifier_samples_total", result="match") == 3
+    assert metric(after, "toktier_verifier_samples_total", face="trtllm", result="mismatch") == 0
+    assert metric(after, "toktier_quarantined_routes", face="trtllm") == 0

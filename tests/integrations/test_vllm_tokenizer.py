@@ -18,7 +18,7 @@ import pytest
 
 from toktier_backend.corpus import load_turns, trajectory_files
 
-from .conftest import REPO, hf_ids, require
+from .conftest import REPO, auto_tokenizer, hf_ids, require
 
 # name -> (kind, [(param, kind, default repr or None)]) from vllm 0.33.0 vllm/tokenizers/protocol.py
 RECORDED_PROTOCOL = {
@@ -171,10 +171,19 @@ def test_agent_prompts_are_repaired_by_prefix(pair):
     """Repeated agent prompts (whole conversation + one turn) hit a prefix-found session; ids stay exact."""
     name, tok, hf = pair
     turns = [t for t in load_turns(trajectory_files()[0]) if len(t) >= 2048][:6]
-    before = dict(tok.cache.stats)
+    from prometheus_client import REGISTRY
+
+    def repaired():  # the core's toktier_requests_total of this face, over the repair routes
+        return sum(REGISTRY.get_sample_value("toktier_requests_total", {"face": "vllm", "model": "tokenizer",
+                                                                        "route": r, "mode": "full"}) or 0
+                   for r in ("append", "edit", "noop"))
+
+    before = repaired()
+    held = len(tok.core.store)
     for t in turns:
         assert tok.encode(t, add_special_tokens=True) == hf_ids(name, t, True)
-    assert tok.cache.stats["repaired"] - before["repaired"] >= len(turns) - 1
+    assert repaired() - before >= len(turns) - 1
+    assert len(tok.core.store) - held == 1  # one prefix-found session holds the conversation
     # __call__ (vLLM's renderer path) shares the cache
     assert tok(turns[-1] + "x")["input_ids"] == hf_ids(name, turns[-1] + "x", True)
 
@@ -291,3 +300,38 @@ def test_renderer_exists_in_installed_vllm():
     assert f"class {RENDERER[1]}(" in source
     registry = open(f"{root}/tokenizers/registry.py", encoding="utf-8").read()
     assert "def register(self, tokenizer_mode: str, module: str, class_name: str)" in registry
+
+
+# ---------------------------------------------------------------- the serving core behind the face
+
+
+def test_faulty_engine_is_caught_and_quarantined_through_vllm(hf_folder, tmp_path):
+    """A faulty engine build behind ``tokenizer_mode="toktier"``: an agent's next prompt, found by prefix, is
+    wrong once; the shadow verifier catches it and quarantines the fast routes; every later encode equals
+    HF, and the requests show in ``toktier_*`` under ``face="vllm"``."""
+    from toktier_backend.faces.vllm_tokenizer import TokTierTokenizer
+
+    from ..faulty_engine import TRIGGER
+    from .conftest import faulty_core
+
+    folder = hf_folder("qwen3")
+    core, value = faulty_core(folder / "tokenizer.json", tmp_path, min_prefix_chars=2048)
+    tok = TokTierTokenizer(auto_tokenizer(str(folder)), core)
+    history = "".join(load_turns(trajectory_files()[0]))[:6000]
+    assert TRIGGER not in history
+    assert tok.encode(history) == hf_ids("qwen3", history)
+    grown = history + f"\n{TRIGGER}: next turn"
+    assert tok.encode(grown) != hf_ids("qwen3", grown)  # the fault is real and went out
+    assert core.verifier.drain(30) and core.verifier.mismatches == 1
+    assert set(core.tokenizer.quarantined) == {"full", "append", "edit"}
+    assert value("toktier_verifier_mismatches_total", face="vllm", model="tokenizer") == 1
+    assert value("toktier_quarantined_routes", face="vllm", model="tokenizer") == 3
+    longer = grown + " and one more"
+    assert tok.encode(longer) == hf_ids("qwen3", longer)
+    assert tok(f"short {TRIGGER}")["input_ids"] == hf_ids("qwen3", f"short {TRIGGER}")  # stateless, exact
+    assert core.verifier.drain(30) and core.verifier.mismatches == 1
+    assert value("toktier_requests_total", face="vllm", model="tokenizer", mode="full") == 3  # by prefix
+    assert value("toktier_requests_total", face="vllm", model="tokenizer", route="encode") == 1
+    assert value("toktier_verifier_samples_total", face="vllm", model="tokenizer", result="match") == 3
+    assert len(core.store) == 1  # one prefix-found session held the conversation
+    core.close()

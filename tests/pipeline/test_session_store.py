@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,9 @@ import toktier_backend as tt
 from toktier_backend.corpus import load_turns, trajectory_files
 from toktier_backend.serving.session_store import ENTRY_OVERHEAD, SessionEntry, SessionStore
 from toktier_backend.faces.triton import Handler
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -98,10 +102,10 @@ def _measure(build, k):
     return sessions, used / k
 
 
-@pytest.mark.parametrize("mode", ["delta", "full"])
-def test_memory_per_session_is_bounded_and_charged_honestly(tok, mode):
-    """Replay a real session (delta or full-text mode) into a store; compare what tracemalloc sees with
-    what the store charges and with text + 8 bytes per token."""
+def _replay(mode: str) -> dict:
+    """Replay a real session (delta or full-text mode) into a store, 8 times; what tracemalloc sees per
+    session, what the store charges, and the session's text bytes and tokens."""
+    tok = tt.load_tokenizer(tt.default_tokenizer_path())
     turns = [t for t in load_turns(trajectory_files(None)[0]) if t.isascii()]
     clock = Clock()
     store = SessionStore(clock=clock)  # one store: its own fixed cost is not per session
@@ -122,9 +126,25 @@ def test_memory_per_session_is_bounded_and_charged_honestly(tok, mode):
     k = 8
     _, measured = _measure(build, k)
     e = store._entries[0]
-    text_bytes, n = len(e.session.text.encode()), len(e.session.ids)
-    charged = store.nbytes / k
-    print(f"\n{mode}: {len(e.session.text)} chars, {n} tokens: measured {measured:.0f} B/session, "
+    return {"measured": measured, "charged": store.nbytes / k, "chars": len(e.session.text),
+            "text_bytes": len(e.session.text.encode()), "n": len(e.session.ids)}
+
+
+@pytest.mark.parametrize("mode", ["delta", "full"])
+def test_memory_per_session_is_bounded_and_charged_honestly(mode):
+    """Compare what tracemalloc sees with what the store charges and with text + 8 bytes per token. Measured
+    in a fresh interpreter: tracemalloc counts every thread's allocations, and other tests' servers and
+    cores (PyTriton in process, verifier and sweeper threads) run threads of their own."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"import json, tests.pipeline.test_session_store as m; print(json.dumps(m._replay({mode!r})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    measured, charged, text_bytes, n = r["measured"], r["charged"], r["text_bytes"], r["n"]
+    print(f"\n{mode}: {r['chars']} chars, {n} tokens: measured {measured:.0f} B/session, "
           f"charged {charged:.0f} B, text + 8 B/token = {text_bytes + 8 * n} B, "
           f"measured - (text + 8n) = {measured - text_bytes - 8 * n:.0f} B")
     assert measured <= charged * 1.02  # the store never charges less than is held

@@ -43,6 +43,19 @@ def metric(samples: dict, name: str, **labels) -> float:
     return _metric(samples, name, **labels)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory):
+    """Quarantine files (``$TOKTIER_STATE_DIR``) of the cores built without an explicit one go to a temp dir,
+    never to the user's ``~/.cache``."""
+    old = os.environ.get("TOKTIER_STATE_DIR")
+    os.environ["TOKTIER_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("TOKTIER_STATE_DIR", None)
+    else:
+        os.environ["TOKTIER_STATE_DIR"] = old
+
+
 @lru_cache(maxsize=None)
 def _reference(path: str) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(path)

@@ -1,4 +1,4 @@
-"""``toktier_*`` metrics recorded by the handler, on a private registry (no Triton): exact counts per route,
+"""``toktier_*`` metrics recorded by the Triton face's serving core, on a private registry (no Triton): exact counts per route,
 fallback reason, token kind, error code and eviction cause."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def setup():
     h = Handler(tok, metrics=Metrics(reg, pool_stats=lambda: {
         "queue_depth": 3, "by_priority": {"repair": {"wait_ms_p99": 2.0, "wait_ms_mean": 1.0}}}),
         session_budget_bytes=12_000)
-    return h, tok, (lambda name, **labels: reg.get_sample_value(name, labels) or 0.0)
+    # every series carries the face that served it (exact label sets: get_sample_value matches all labels)
+    return h, tok, (lambda name, **labels: reg.get_sample_value(name, {"face": "triton", **labels}) or 0.0)
 
 
 def test_handler_counts(setup):

@@ -25,10 +25,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
+from toktier_backend.config import special_tokens  # noqa: F401  (the template's variables; one copy, in config.py)
 from toktier_backend.errors import InvalidRequest, UnsupportedTokenizer
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
@@ -66,24 +66,6 @@ def load_chat_template(tokenizer_path: str | Path | None, override: str | Path |
     if cfg.is_file():
         return _template_from_json(cfg, _read_json(cfg))
     return None
-
-
-def special_tokens(tokenizer_path: str | Path | None) -> dict[str, str]:
-    """Special token strings from ``tokenizer_config.json`` beside the tokenizer (``{}`` if none)."""
-    if tokenizer_path is None:
-        return {}
-    cfg = _folder_of(tokenizer_path) / "tokenizer_config.json"
-    if not cfg.is_file():
-        return {}
-    data = _read_json(cfg)
-    out = {}
-    for name in _SPECIAL_TOKEN_NAMES:
-        v = data.get(name)
-        if isinstance(v, Mapping):
-            v = v.get("content")
-        if isinstance(v, str):
-            out[name] = v
-    return out
 
 
 def _read_json(path: Path) -> dict:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from toktier_backend.tokenizer import FAST_ROUTES
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``serve`` to an ``argparse`` subparsers object; the parsed namespace's ``func`` runs it."""
@@ -41,7 +43,7 @@ def _add_ops_parsers(subparsers) -> None:
     q.add_argument("--file", default=None, help="quarantine file (default: the models' default, "
                    "$TOKTIER_STATE_DIR or ~/.cache/toktier_backend/quarantine.json)")
     q.add_argument("--key", default=None, help="build key or a prefix of it, e.g. the tokenizer sha256 (default: all)")
-    q.add_argument("--route", default=None, choices=("full", "append", "edit"), help="one route (default: all)")
+    q.add_argument("--route", default=None, choices=FAST_ROUTES, help="one route (default: all)")
     q.add_argument("--reason", default="operator", help="for add")
     q.set_defaults(func=run_quarantine)
     m = subparsers.add_parser("metrics", help="serve the aggregated toktier_* metrics of a tritonserver's instances")
@@ -54,8 +56,8 @@ def _add_ops_parsers(subparsers) -> None:
 def run_quarantine(args: argparse.Namespace) -> int:
     import json
 
+    from toktier_backend.config import default_quarantine_file
     from toktier_backend.serving.verifier import QuarantineFile
-    from toktier_backend.faces.triton import default_quarantine_file
 
     f = QuarantineFile(args.file or default_quarantine_file())
     if args.action == "list":

@@ -583,7 +583,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     fleet = Fleet(args.tokenizer, args.replicas, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                   log_dir=args.log_dir, nginx=args.nginx, nginx_workers=args.nginx_workers,
                   toktier_metrics=True, **kwargs)
-    from toktier_backend.deploy.server import stop_on_signals
+    from toktier_backend.config import stop_on_signals
 
     with stop_on_signals() as stop:
         return _run_until(fleet, stop, args)

@@ -19,7 +19,6 @@ for itself:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -27,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -37,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-"""The folder that holds ``toktier_backend`` (put first on the stub's ``PYTHONPATH``)."""
+from toktier_backend.config import PACKAGE_ROOT, stop_on_signals, stub_environment  # noqa: F401  (re-exported)
 
 
 def _default_model_repository() -> Path:
@@ -95,25 +92,6 @@ def find_triton_dist() -> TritonDist:
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing from nvidia-pytriton at {root} (Python {version}).")
     return found
-
-
-def stub_environment(libs: Sequence[Path] = (), base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for ``tritonserver`` and its Python backend stubs.
-
-    ``LD_LIBRARY_PATH`` gets this interpreter's ``LIBDIR`` first (the stub links ``libpython3.X.so``; a
-    system libpython of the same version would otherwise be picked up), then ``libs``; ``PYTHONPATH`` gets
-    :data:`PACKAGE_ROOT` first; ``PATH`` gets this interpreter's folder first.
-    """
-    env = dict(os.environ if base is None else base)
-    libdir = sysconfig.get_config_var("LIBDIR") or ""
-    ld = [p for p in [libdir, *map(str, libs)] if p]
-    if env.get("LD_LIBRARY_PATH"):
-        ld.append(env["LD_LIBRARY_PATH"])
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(ld)
-    py = [str(PACKAGE_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    env["PYTHONPATH"] = os.pathsep.join(py)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
 
 
 # ---------------------------------------------------------------- model repository
@@ -625,19 +603,6 @@ def serve(
         )
     with stop_on_signals() as stop:
         return _run_until(server, stop, tokenizer, pytriton, ready_timeout_s)
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """An ``Event`` set by SIGTERM or SIGINT while the block runs; the previous handlers come back after it
-    (``toktier serve`` and ``toktier fleet`` run until it is set)."""
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield stop
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def _run_until(server, stop: threading.Event, tokenizer, pytriton: bool, ready_timeout_s: float) -> int:

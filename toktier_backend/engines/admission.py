@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from toktier_backend.config import cache_dir
 from toktier_backend.spec import TokenizerSpec
 
 log = logging.getLogger(__name__)
@@ -189,10 +190,6 @@ def _char_class(cps: list[int]) -> re.Pattern | None:
     return re.compile("[" + "".join(ranges) + "]")
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("TOKTIER_CACHE_DIR", Path.home() / ".cache" / "toktier_backend"))
-
-
 def canary_texts(spec: TokenizerSpec) -> list[str]:
     """The canary for this file: :data:`CANARY` plus every added token alone, between letters, and
     joined (joined in groups so files with thousands of added tokens stay fast)."""
@@ -270,7 +267,7 @@ def admit(spec: TokenizerSpec, engine, *, cache: bool = True) -> Admission:
         log.warning("engine %s refused for %s: %s", engine.name, spec.path, reason)
         return Admission(False, [], reason)
     key = guard_key(spec, engine)
-    path = _cache_dir() / "guard" / key
+    path = cache_dir() / "guard" / key
     bundled = Path(__file__).parents[1] / "data" / "guard" / key  # precomputed for the files we test
     if cache and bundled.is_file():
         path = bundled
@@ -310,7 +307,7 @@ def _main(argv: list[str] | None = None) -> None:
                     help=f"engine to compute for (repeatable; default: each of {', '.join(FAST_ENGINE_ORDER)} that loads the file)")
     ap.add_argument("--cache", action="store_true", help="write to the user cache instead of data/guard")
     args = ap.parse_args(argv)
-    out = _cache_dir() / "guard" if args.cache else Path(__file__).parents[1] / "data" / "guard"
+    out = cache_dir() / "guard" if args.cache else Path(__file__).parents[1] / "data" / "guard"
     out.mkdir(parents=True, exist_ok=True)
     for f, name in ((f, name) for f in args.files for name in args.engine or FAST_ENGINE_ORDER):
         spec = load_spec(f)

@@ -16,8 +16,10 @@ IDs as ``prompt`` (vLLM, SGLang, Dynamo's frontend, ``trtllm-serve``):
 - Anything else (``GET /v1/models``, …) is forwarded as is. ``GET /health`` answers locally.
 
 Sessions: the ``--session-header`` (default ``X-Session-ID``) or a body field ``conversation_id`` /
-``session_id`` keys a session; without one, a long prompt finds its session by prefix
-(:class:`~.sessions.SessionCache`). Each reply carries ``X-Toktier-Route``, ``X-Toktier-Reused`` (ids
+``session_id`` keys a session; without one, a long prompt finds its session by prefix (the serving core,
+:mod:`toktier_backend.serving.core`, which also samples replies to the shadow verifier and counts them in
+``toktier_*`` with ``face="proxy"``, ``model`` ``completions`` or ``chat``; ``--metrics-port`` serves them).
+Each reply carries ``X-Toktier-Route``, ``X-Toktier-Reused`` (ids
 kept from the session's previous prompt), ``X-Toktier-Prompt-Tokens`` and ``X-Toktier-Session``. The ids
 always equal HF ``Tokenizer.from_file(path).encode(text, add_special_tokens=flag).ids``.
 
@@ -28,17 +30,18 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 
-from toktier_backend.errors import InvalidRequest, ToktierError
-
-from toktier_backend.chat.template import ChatRenderer, load_chat_template, special_tokens
-from toktier_backend.serving.prefix_sessions import SessionCache
+from toktier_backend.chat.template import ChatRenderer, load_chat_template
+from toktier_backend.config import special_tokens, stop_on_signals
+from toktier_backend.errors import ToktierError
+from toktier_backend.serving.core import CoreConfig, ServingCore
+from toktier_backend.serving.metrics import Origin
+from toktier_backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -66,44 +69,60 @@ class TokenProxy:
     """The proxy's logic, independent of the HTTP server (tests drive it directly too).
 
     Args:
-        tokenizer: a core ``toktier_backend.Tokenizer``.
+        core: the serving core (sessions, verifier, metrics, pool), or a bare ``Tokenizer`` (then a core with
+            ``CoreConfig``'s defaults is built for it).
         upstream: base URL of the OpenAI-compatible server (``http://host:port``; a trailing ``/v1`` is fine).
         chat_template: jinja source, or ``None`` (then chat requests fail with 400).
         special_tokens: template variables ``bos_token``, ``eos_token``, … (``tokenizer_config.json``).
         session_header: request header that keys a session (case-insensitive).
-        cache: the session cache (default: a new :class:`SessionCache`).
         timeout_s: upstream timeout in seconds (connect and each read).
+        face: the ``face`` label of its metrics.
     """
 
     def __init__(
         self,
-        tokenizer: Any,
+        core: ServingCore | Tokenizer,
         upstream: str,
         *,
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
         session_header: str = DEFAULT_SESSION_HEADER,
-        cache: SessionCache | None = None,
         timeout_s: float = 600.0,
+        face: str = "proxy",
     ):
-        self.tokenizer = tokenizer
+        if not isinstance(core, ServingCore):
+            core = ServingCore.from_config(CoreConfig(tokenizer=str(core.path)), tokenizer=core)
+        self.core = core
+        self.tokenizer = core.tokenizer
         base = upstream.rstrip("/")
         self.upstream = base[: -len("/v1")] if base.endswith("/v1") else base
         self.renderer = ChatRenderer(chat_template, special_tokens) if chat_template else None
         self.session_header = session_header
-        self.cache = cache if cache is not None else SessionCache(tokenizer)
         self.timeout_s = timeout_s
+        self.completions_origin = Origin(face, "completions")
+        self.chat_origin = Origin(face, "chat")
+        for origin in (self.completions_origin, self.chat_origin):
+            core.register(origin, sessions=True)
 
     @classmethod
-    def from_spec(cls, tokenizer_spec: str | None, upstream: str, *, chat_template: str | None = None, **kwargs):
+    def from_spec(cls, tokenizer_spec: str | None, upstream: str, *, chat_template: str | None = None,
+                  config: CoreConfig | None = None, **kwargs):
         """Load the tokenizer (``tokenizer.json``, a folder, a Hub id, ``None``/``default`` = bundled GPT-2)
-        and its chat template (``chat_template`` file or source, else the one beside the tokenizer)."""
-        import toktier_backend as tt
+        into a serving core built from ``config`` (default ``CoreConfig()``; its ``tokenizer`` is replaced by
+        ``tokenizer_spec``), and its chat template (``chat_template`` file or source, else the one beside the
+        tokenizer).
 
-        spec = None if tokenizer_spec in (None, "", "default") else tokenizer_spec
-        tok = tt.load_tokenizer(spec)
-        template = load_chat_template(tok.path, chat_template)
-        return cls(tok, upstream, chat_template=template, special_tokens=special_tokens(tok.path), **kwargs)
+        Raises:
+            UnsupportedTokenizer: the tokenizer, its chat template or its ``tokenizer_config.json`` cannot
+                be read.
+        """
+        import dataclasses
+
+        spec = "default" if tokenizer_spec in (None, "") else tokenizer_spec
+        core = ServingCore.from_config(dataclasses.replace(config or CoreConfig(), tokenizer=spec))
+        path = core.tokenizer.path
+        template = load_chat_template(path, chat_template)
+        return cls(core, upstream, chat_template=template, special_tokens=special_tokens(path), **kwargs)
 
     # ------------------------------------------------------------ request -> forwarded body
 
@@ -118,11 +137,11 @@ class TokenProxy:
                 return f"b:{v}"
         return None
 
-    def _encode(self, text: str, key: str | None, flag: bool) -> tuple[list[int], dict[str, str]]:
-        enc = self.cache.encode(text, key=key, add_special_tokens=flag)
-        info = {"X-Toktier-Route": enc.route, "X-Toktier-Reused": str(enc.reused),
-                "X-Toktier-Prompt-Tokens": str(len(enc.ids)), "X-Toktier-Session": enc.session or "none"}
-        return enc.ids.tolist(), info
+    def _encode(self, origin: Origin, text: str, key: str | None, flag: bool) -> tuple[list[int], dict[str, str]]:
+        r = self.core.encode(origin, text, key=key, add_special_tokens=flag, what="prompt")
+        info = {"X-Toktier-Route": r.shown_route, "X-Toktier-Reused": str(r.keep),
+                "X-Toktier-Prompt-Tokens": str(r.n), "X-Toktier-Session": r.session or "none"}
+        return r.ids.tolist(), info
 
     def completion_body(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
         """``/v1/completions`` body -> (forwarded body with token-ID ``prompt``, ``X-Toktier-*`` headers)."""
@@ -132,12 +151,13 @@ class TokenProxy:
             raise ProxyError(400, f"add_special_tokens must be a boolean, got {flag!r}")
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            out["prompt"], info = self._encode(prompt, self.session_key(headers, body), flag)
+            out["prompt"], info = self._encode(self.completions_origin, prompt, self.session_key(headers, body), flag)
             return out, info
         if _is_ids(prompt) or (isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt)):
             return out, {"X-Toktier-Route": "passthrough", "X-Toktier-Session": "none"}
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            rows = [self.cache.encode(p, add_special_tokens=flag).ids.tolist() for p in prompt]
+            rows = [self.core.encode(self.completions_origin, p, add_special_tokens=flag, what="prompt").ids.tolist()
+                    for p in prompt]
             out["prompt"] = rows
             return out, {"X-Toktier-Route": "batch", "X-Toktier-Prompt-Tokens": ",".join(str(len(r)) for r in rows),
                          "X-Toktier-Session": "none"}
@@ -164,7 +184,7 @@ class TokenProxy:
         flag = body.get("add_special_tokens", False)
         if not isinstance(flag, bool):
             raise ProxyError(400, f"add_special_tokens must be a boolean, got {flag!r}")
-        ids, info = self._encode(text, self.session_key(headers, body), flag)
+        ids, info = self._encode(self.chat_origin, text, self.session_key(headers, body), flag)
         out = {k: v for k, v in body.items() if k not in _CHAT_ONLY and k not in SESSION_BODY_FIELDS}
         if "max_completion_tokens" in body and "max_tokens" not in body:
             out["max_tokens"] = body["max_completion_tokens"]
@@ -275,7 +295,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         if self.path.rstrip("/") == "/health":
             return self._send_json(200, {"status": "ok", "upstream": self.proxy.upstream,
-                                         "sessions": len(self.proxy.cache)})
+                                         "sessions": len(self.proxy.core.store)})
         self._passthrough("GET", None)
 
     def do_POST(self):  # noqa: N802
@@ -385,31 +405,41 @@ def serve_proxy(
     port: int = 8100,
     chat_template: str | None = None,
     session_header: str = DEFAULT_SESSION_HEADER,
-    max_sessions: int = 256,
-    min_prefix_chars: int = 2048,
-    session_ttl_s: float = 600.0,
+    config: CoreConfig | None = None,
     timeout_s: float = 600.0,
+    metrics_port: int | None = None,
 ) -> int:
-    """Run the proxy until SIGTERM/SIGINT. Returns the exit code (0 on a clean stop)."""
+    """Run the proxy until SIGTERM/SIGINT. Returns the exit code (0 on a clean stop).
+
+    Args:
+        config: the serving core's settings (``max_sessions``, ``min_prefix_chars``, ``session_ttl_s``,
+            ``verifier_rate``, ``quarantine_file``, ...; default ``CoreConfig()``).
+        metrics_port: serve the ``toktier_*`` metrics on ``host:metrics_port/metrics`` (``None``: not served).
+    """
     proxy = TokenProxy.from_spec(tokenizer, upstream, chat_template=chat_template, session_header=session_header,
-                                 timeout_s=timeout_s)
-    proxy.cache = SessionCache(proxy.tokenizer, max_sessions=max_sessions, min_prefix_chars=min_prefix_chars,
-                               ttl_s=session_ttl_s)
+                                 timeout_s=timeout_s, config=config)
     server = make_server(proxy, host, port)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    thread = threading.Thread(target=server.serve_forever, name="toktier-proxy", daemon=True)
-    thread.start()
-    print(f"toktier proxy: http://{server.server_address[0]}:{server.server_address[1]} -> {proxy.upstream}/v1/completions "
-          f"(tokenizer {proxy.tokenizer.path}, chat template {'yes' if proxy.renderer else 'none'}, "
-          f"session header {session_header})", flush=True)
-    try:
-        while not stop.wait(0.5):
-            pass
-        print("toktier proxy: stopping", flush=True)
-        return 0
-    finally:
-        server.shutdown()
-        server.server_close()
-        for s, h in previous.items():
-            signal.signal(s, h)
+    exporter = None
+    if metrics_port is not None:
+        from toktier_backend.serving.metrics import start_exporter
+
+        exporter, _ = start_exporter(metrics_port, host)
+    with stop_on_signals() as stop:
+        thread = threading.Thread(target=server.serve_forever, name="toktier-proxy", daemon=True)
+        thread.start()
+        print(f"toktier proxy: http://{server.server_address[0]}:{server.server_address[1]} -> {proxy.upstream}/v1/completions "
+              f"(tokenizer {proxy.tokenizer.path}, chat template {'yes' if proxy.renderer else 'none'}, "
+              f"session header {session_header}"
+              + (f", toktier metrics http://{host}:{metrics_port}/metrics" if metrics_port is not None else "") + ")",
+              flush=True)
+        try:
+            while not stop.wait(0.5):
+                pass
+            print("toktier proxy: stopping", flush=True)
+            return 0
+        finally:
+            server.shutdown()
+            server.server_close()
+            if exporter is not None:
+                exporter.shutdown()
+            proxy.core.close()

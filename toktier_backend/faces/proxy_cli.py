@@ -35,13 +35,23 @@ def add_proxy_parser(subparsers) -> argparse.ArgumentParser:
                    help="prompts without a session key at least this long (chars) find their session by prefix")
     p.add_argument("--session-idle-seconds", type=float, default=600.0, help="idle time after which a session is dropped")
     p.add_argument("--timeout", type=float, default=600.0, help="upstream timeout in seconds")
+    p.add_argument("--verifier-rate", type=float, default=0.01,
+                   help="share of replies the shadow verifier re-checks against the HF reference (plus the first 32)")
+    p.add_argument("--quarantine-file", default="",
+                   help="quarantine file shared with other servers (default $TOKTIER_STATE_DIR or "
+                        "~/.cache/toktier_backend/quarantine.json)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve the toktier_* metrics on this port")
     p.set_defaults(func=run_proxy)
     return p
 
 
 def run_proxy(args: argparse.Namespace) -> int:
     from toktier_backend.faces.proxy import serve_proxy
+    from toktier_backend.serving.core import CoreConfig
 
+    config = CoreConfig(max_sessions=args.max_sessions, min_prefix_chars=args.min_prefix_chars,
+                        session_ttl_s=args.session_idle_seconds, verifier_rate=args.verifier_rate,
+                        quarantine_file=args.quarantine_file)
     return serve_proxy(
         args.tokenizer,
         args.upstream,
@@ -49,8 +59,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         port=args.port,
         chat_template=args.chat_template,
         session_header=args.session_header,
-        max_sessions=args.max_sessions,
-        min_prefix_chars=args.min_prefix_chars,
-        session_ttl_s=args.session_idle_seconds,
+        config=config,
         timeout_s=args.timeout,
+        metrics_port=args.metrics_port,
     )

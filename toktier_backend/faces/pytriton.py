@@ -24,15 +24,15 @@ due to PyTriton 0.7:
 from __future__ import annotations
 
 import os
-import sysconfig
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from toktier_backend.config import parse_bool, stub_environment
 from toktier_backend.errors import InvalidRequest
 from toktier_backend.faces import triton_io
-from toktier_backend.faces.triton import DEFAULT_MAX_TEXT_BYTES, DEFAULT_SESSION_TTL_S, Handler
+from toktier_backend.faces.triton import DEFAULT_MAX_TEXT_BYTES, DEFAULT_SESSION_TTL_S, ENCODE_MODEL, SESSION_MODEL, Handler
 
 MAX_BATCH_SIZE = 8
 EMPTY_PAD = -1  # stands for "no ids": PyTriton 0.7 cannot send a zero-size INPUT_ID
@@ -45,19 +45,15 @@ def _padded(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _parameter_flag(params: dict, name: str) -> bool:
-    v = params.get(name, False)
-    if isinstance(v, str):
-        return v.strip().lower() in ("1", "true", "yes")
-    return bool(v)
+    """A request parameter as a bool (``config.parse_bool``; absent: False).
 
-
-def _prepend_libdir() -> None:
-    """PyTriton passes this process's environment to tritonserver; its Python backend stub links
-    ``libpython3.X.so`` and must find *this* interpreter's (else a system Python without our packages)."""
-    libdir = sysconfig.get_config_var("LIBDIR") or ""
-    current = os.environ.get("LD_LIBRARY_PATH", "")
-    if libdir and libdir not in current.split(os.pathsep):
-        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([libdir] + ([current] if current else []))
+    Raises:
+        InvalidRequest: not a boolean (names the parameter).
+    """
+    try:
+        return parse_bool(params.get(name), False, name=f"request parameter {name}")
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def session_infer(handler: Handler):
@@ -74,12 +70,12 @@ def session_infer(handler: Handler):
                     "send parameters={'session_id': ..., 'session_start': True} on the first request."
                 )
             inputs = {name: request.data.get(name) for name in triton_io.SESSION_INPUTS}
-            outputs = handler.handle_session_tensors(
-                session_id,
-                inputs,
-                start=_parameter_flag(params, "session_start"),
-                end=_parameter_flag(params, "session_end"),
-            )
+            try:
+                start, end = _parameter_flag(params, "session_start"), _parameter_flag(params, "session_end")
+            except InvalidRequest as e:
+                handler.core.refuse(handler.session_origin, e)
+                raise
+            outputs = handler.handle_session_tensors(session_id, inputs, start=start, end=end)
             responses.append(_padded(outputs))
         return responses
 
@@ -117,10 +113,10 @@ def create(
     """Build a ``pytriton.triton.Triton`` with both models bound (not started: call ``.run()``).
 
     ``parameters`` are the model parameters of ``model_repository`` (``tokenizer_sha256``,
-    ``session_budget_bytes``, ``verifier_rate``, ...; see ``Handler.from_parameters``).
+    ``session_budget_bytes``, ``verifier_rate``, ...; see ``CoreConfig.from_parameters``).
     ``gpu_device``: serve ``toktier_encode`` as a Triton GPU instance would, through a
-    ``gpu.routing.GpuRouter`` on that CUDA device (``gpu_router_for``: canary at load, CPU fallback, never a
-    failed load), with the parameters ``gpu_crossover_chars`` and ``gpu_max_queue``; ``None``: CPU only.
+    ``gpu.routing.GpuRouter`` on that CUDA device (canary at load, CPU fallback, never a failed load), with
+    the parameters ``gpu_engine``, ``gpu_crossover_chars`` and ``gpu_max_queue``; ``None``: CPU only.
 
     Returns:
         ``(triton, handler)``.
@@ -128,22 +124,14 @@ def create(
     from pytriton.model_config import ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
-    _prepend_libdir()
+    # PyTriton passes this process's environment to tritonserver; its Python backend stub links
+    # libpython3.X.so and must find this interpreter's (else a system Python without our packages)
+    os.environ.update(stub_environment())
     handler = Handler.from_parameters(
         {**(parameters or {}), "tokenizer": tokenizer, "max_text_bytes": str(max_text_bytes or DEFAULT_MAX_TEXT_BYTES)},
-        session_ttl_s=session_idle_s or DEFAULT_SESSION_TTL_S,
+        session_ttl_s=session_idle_s or DEFAULT_SESSION_TTL_S, face="pytriton", models=(SESSION_MODEL, ENCODE_MODEL),
+        model=ENCODE_MODEL, instance_kind="CPU" if gpu_device is None else "GPU", device_id=gpu_device or 0,
     )
-    if gpu_device is not None:
-        from toktier_backend.gpu.routing import DEFAULT_CROSSOVER_CHARS, gpu_router_for
-
-        p = parameters or {}
-        handler.router = gpu_router_for(
-            handler.tokenizer, device_id=int(gpu_device),
-            crossover_chars=int(p.get("gpu_crossover_chars") or DEFAULT_CROSSOVER_CHARS),
-            max_queue=int(p.get("gpu_max_queue") or 4),
-        )
-        if handler.metrics is not None:
-            handler.metrics.observe_gpu_engine("toktier_encode", handler.router.gpu_status)
     config = TritonConfig(
         http_address=host,
         http_port=http_port,

@@ -12,13 +12,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from toktier_backend.errors import (
-    EngineUnavailable,
-    InvalidRequest,
-    ToktierError,
-    UnknownSession,
-    UnsupportedTokenizer,
-)
+from toktier_backend.errors import InvalidRequest, ToktierError
 
 SESSION_INPUTS = ("TEXT", "MODE", "REPLY", "ADD_SPECIAL_TOKENS")
 SESSION_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")
@@ -116,20 +110,12 @@ def with_batch_dim(outputs: Mapping[str, np.ndarray], batched: bool) -> dict[str
 
 # ---------------------------------------------------------------- errors
 
-_CODES: tuple[tuple[type[BaseException], str], ...] = (
-    (InvalidRequest, "INVALID_ARG"),
-    (UnknownSession, "NOT_FOUND"),
-    (EngineUnavailable, "UNAVAILABLE"),
-    (UnsupportedTokenizer, "UNAVAILABLE"),
-)
-
-
 def error_code(exc: BaseException) -> str:
-    """The ``pb_utils.TritonError`` code name for ``exc``: INVALID_ARG, NOT_FOUND, UNAVAILABLE or INTERNAL."""
-    for cls, code in _CODES:
-        if isinstance(exc, cls):
-            return code
-    return "INTERNAL"
+    """The ``pb_utils.TritonError`` code name for ``exc``: INVALID_ARG, NOT_FOUND, UNAVAILABLE or INTERNAL
+    (``serving.core.error_code``: the one mapping, also the metrics' ``code`` label)."""
+    from toktier_backend.serving.core import error_code as _code
+
+    return _code(exc)
 
 
 def error_message(exc: BaseException) -> str:

@@ -42,23 +42,24 @@ Semantics kept from the original (``model.py`` there, documented in its ``_to_wo
 Sessions: a row is served from a session when the request has a correlation ID and ``b == 1``; the
 sequence START flag replaces the session, END frees it. Without a correlation ID (or for ``b > 1``) each
 row is a full encode. Either way the ids are the same.
+
+Every encode (QUERY, DECODER_QUERY, word lists, bias words) goes through the serving core
+(:mod:`toktier_backend.serving.core`): sampled to the shadow verifier, counted in ``toktier_*`` with
+``face="trtllm"`` (``model="preprocessing"``; the words' encodes ``model="preprocessing_words"``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 from typing import Any, Hashable, Mapping
 
 import numpy as np
 
-import toktier_backend as tt
-from toktier_backend.errors import InvalidRequest
-
-from toktier_backend.serving.prefix_sessions import SessionCache
-
-log = logging.getLogger(__name__)
+from toktier_backend.config import parse_bool, special_tokens
+from toktier_backend.errors import InvalidRequest, ToktierError, UnsupportedTokenizer
+from toktier_backend.serving.core import CoreConfig, ServingCore
+from toktier_backend.serving.metrics import Origin
+from toktier_backend.tokenizer import Tokenizer, default_tokenizer_path
 
 INPUTS = (
     "QUERY", "REQUEST_OUTPUT_LEN", "DECODER_QUERY", "BAD_WORDS_DICT", "STOP_WORDS_DICT",
@@ -74,124 +75,87 @@ OUTPUTS = (
 )
 DIAGNOSTIC_OUTPUTS = ("ROUTE", "KEEP")
 
-_TRUE = ("true", "1", "t", "y", "yes")
-_FALSE = ("false", "0", "f", "n", "no")
-
-
-def parse_bool(value: str | None, default: bool = True) -> bool:
-    """A config string as the original reads ``add_special_tokens``: true/1/t/y/yes, false/0/f/n/no; else
-    ``default`` (unset, empty, or an unfilled ``${...}`` template)."""
-    v = (value or "").strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    if v and not v.startswith("${"):
-        log.warning("add_special_tokens=%r is not a boolean; using %s", value, default)
-    return default
-
-
-def _token_content(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value or None
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"] or None
-    return None
-
-
-def special_tokens_from_config(tokenizer_path: Path) -> dict[str, str]:
-    """``eos_token``, ``pad_token``, ``bos_token``, … from ``tokenizer_config.json`` beside the file (HF
-    layout), as strings; ``{}`` when there is none."""
-    cfg_path = tokenizer_path.parent / "tokenizer_config.json"
-    if not cfg_path.is_file():
-        return {}
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        log.warning("%s: not readable JSON (%s); special tokens not taken from it", cfg_path, e)
-        return {}
-    out = {}
-    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        content = _token_content(cfg.get(name))
-        if content is not None:
-            out[name] = content
-    return out
+FACE = "trtllm"
+MODEL = "preprocessing"
 
 
 class PreprocessingHandler:
     """Serves the ``preprocessing`` model for one tokenizer.
 
     Args:
-        tokenizer: a core ``toktier_backend.Tokenizer``.
-        name: how error messages name the tokenizer.
+        core: the serving core (sessions, verifier, metrics, pool, ``max_text_bytes``), or a bare
+            ``Tokenizer`` (then a core with ``CoreConfig``'s defaults is built for it).
         add_special_tokens: HF ``add_special_tokens`` for ``QUERY`` and ``DECODER_QUERY``.
         eos_token, pad_token: token strings; ``None`` = from ``tokenizer_config.json`` beside the file,
             else (eos) the only special added token of the file, if it has exactly one (GPT-2:
             ``<|endoftext|>``), else unknown: requests must then carry ``END_ID`` (and ``PAD_ID``).
             The pad token defaults to the eos token, as in the original.
-        max_text_bytes: cap on one ``QUERY`` element, in UTF-8 bytes.
-        cache: the session cache (default: a new :class:`SessionCache` with its defaults).
+        face: the ``face`` label of its metrics.
 
     Raises:
-        UnsupportedTokenizer: an explicitly named eos/pad token encodes to no id.
+        UnsupportedTokenizer: an explicitly named eos/pad token encodes to no id, or ``tokenizer_config.json``
+            is not readable JSON.
     """
 
     def __init__(
         self,
-        tokenizer: Any,
+        core: ServingCore | Tokenizer,
         *,
-        name: str = "tokenizer",
         add_special_tokens: bool = True,
         eos_token: str | None = None,
         pad_token: str | None = None,
-        max_text_bytes: int = 16 * 1024 * 1024,
-        cache: SessionCache | None = None,
+        face: str = FACE,
     ):
-        self.tokenizer = tokenizer
-        self.name = name
+        if not isinstance(core, ServingCore):  # a bare tokenizer: a core with the defaults
+            core = ServingCore.from_config(CoreConfig(tokenizer=str(core.path)), tokenizer=core)
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.name = core.name
+        self.origin = Origin(face, MODEL)
+        self.words_origin = Origin(face, MODEL + "_words")
+        core.register(self.origin, sessions=True)
+        core.register(self.words_origin, sessions=False)
         self.add_special_tokens = bool(add_special_tokens)
-        self.max_text_bytes = int(max_text_bytes)
-        self.cache = cache if cache is not None else SessionCache(tokenizer)
-        from_config = special_tokens_from_config(Path(tokenizer.path))
+        from_config = special_tokens(self.tokenizer.path)
         eos = eos_token or from_config.get("eos_token") or self._sole_special_token()
         pad = pad_token or from_config.get("pad_token") or eos
         self.eos_token, self.pad_token = eos, pad
         self.end_id = self._first_id(eos, "eos_token")
         self.pad_id = self._first_id(pad, "pad_token")
-        self.vocab_size = len(tokenizer.reference.get_vocab(with_added_tokens=True))
+        self.vocab_size = len(self.tokenizer.reference.get_vocab(with_added_tokens=True))
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], **kwargs: Any) -> "PreprocessingHandler":
         """Build from a model config's ``parameters``: ``tokenizer`` (``toktier serve`` substitutes it) or
         TensorRT-LLM's ``tokenizer_dir`` (used when ``tokenizer`` is unset or ``default`` and
-        ``tokenizer_dir`` is filled in), ``add_special_tokens``, ``eos_token``, ``pad_token``,
-        ``max_text_bytes``, and the session cache's ``max_sessions``, ``session_ttl_s``."""
+        ``tokenizer_dir`` is filled in), ``add_special_tokens`` (``config.parse_bool``), ``eos_token``,
+        ``pad_token``, and the serving core's (``CoreConfig.from_parameters``: ``max_text_bytes``,
+        ``max_sessions``, ``session_ttl_s``, ``session_budget_bytes``, ``verifier_rate``, ``quarantine_file``,
+        ...).
+
+        Raises:
+            UnsupportedTokenizer: the tokenizer cannot be served, or its ``tokenizer_config.json`` is not
+                readable JSON.
+            ValueError: a malformed parameter (names it).
+        """
         spec = (params.get("tokenizer") or "").strip()
         tdir = (params.get("tokenizer_dir") or "").strip()
         if spec in ("", "default") and tdir and not tdir.startswith("${"):
             spec = tdir
         if spec in ("", "default"):
-            spec = str(tt.default_tokenizer_path())
-        tok = tt.load_tokenizer(spec)
+            spec = str(default_tokenizer_path())
 
         def opt(key: str) -> str | None:
             v = (params.get(key) or "").strip()
             return None if not v or v.startswith("${") else v
 
-        cache = SessionCache(
-            tok,
-            max_sessions=int(opt("max_sessions") or 256),
-            ttl_s=float(opt("session_ttl_s") or 600.0),
-            min_prefix_chars=1 << 62,  # no correlation ID -> full encode: the ensemble keys by correlation ID
-        )
+        core = ServingCore.from_config(CoreConfig.from_parameters(params, tokenizer=spec))
         return cls(
-            tok,
-            name=spec,
-            add_special_tokens=parse_bool(params.get("add_special_tokens"), True),
+            core,
+            add_special_tokens=parse_bool(params.get("add_special_tokens"), True,
+                                          name="model parameter add_special_tokens"),
             eos_token=opt("eos_token"),
             pad_token=opt("pad_token"),
-            max_text_bytes=int(opt("max_text_bytes") or 16 * 1024 * 1024),
-            cache=cache,
             **kwargs,
         )
 
@@ -206,7 +170,7 @@ class PreprocessingHandler:
             return None
         ids = self.tokenizer.encode(token, add_special_tokens=False)
         if len(ids) == 0:
-            raise tt.UnsupportedTokenizer(f"{what}={token!r} encodes to no id with tokenizer {self.name}")
+            raise UnsupportedTokenizer(f"{what}={token!r} encodes to no id with tokenizer {self.name}")
         return int(ids[0])
 
     # ------------------------------------------------------------ one request
@@ -236,44 +200,47 @@ class PreprocessingHandler:
             InvalidRequest: a required input is missing, text is not UTF-8 or over ``max_text_bytes``, bias
                 words and weights differ in shape, or no END_ID/PAD_ID is given and the tokenizer has none.
         """
-        query = inputs.get("QUERY")
-        if query is None:
-            raise InvalidRequest("input 'QUERY' is required (TYPE_STRING, shape [b, 1])")
-        query = np.asarray(query, dtype=np.object_).reshape(len(query), -1)
-        b = query.shape[0]
-        output_len = inputs.get("REQUEST_OUTPUT_LEN")
-        if output_len is None:
-            raise InvalidRequest("input 'REQUEST_OUTPUT_LEN' is required (TYPE_INT32, shape [b, 1])")
-        end_id = self._id_input(inputs.get("END_ID"), self.end_id, "END_ID", "eos_token", b)
-        pad_id = self._id_input(inputs.get("PAD_ID"), self.pad_id, "PAD_ID", "pad_token", b)
+        keyed = correlation_id not in (None, 0, "")
+        try:
+            query = inputs.get("QUERY")
+            if query is None:
+                raise InvalidRequest("input 'QUERY' is required (TYPE_STRING, shape [b, 1])")
+            query = np.asarray(query, dtype=np.object_).reshape(len(query), -1)
+            b = query.shape[0]
+            output_len = inputs.get("REQUEST_OUTPUT_LEN")
+            if output_len is None:
+                raise InvalidRequest("input 'REQUEST_OUTPUT_LEN' is required (TYPE_INT32, shape [b, 1])")
+            end_id = self._id_input(inputs.get("END_ID"), self.end_id, "END_ID", "eos_token", b)
+            pad_id = self._id_input(inputs.get("PAD_ID"), self.pad_id, "PAD_ID", "pad_token", b)
+            bias_words, bias_weights = _bias_inputs(inputs.get("EMBEDDING_BIAS_WORDS"),
+                                                    inputs.get("EMBEDDING_BIAS_WEIGHTS"))
+        except ToktierError as e:
+            self.core.refuse(self.origin, e, key=correlation_id if keyed else None, start=start, end=end)
+            raise
 
-        use_session = correlation_id not in (None, 0, "") and b == 1
+        use_session = keyed and b == 1
         rows, routes, keeps = [], [], []
         for i in range(b):
-            text = self._text(query[i, 0], "QUERY", correlation_id)
             if use_session:
-                enc = self.cache.encode(
-                    text, key=correlation_id, add_special_tokens=self.add_special_tokens, start=start, end=end
-                )
-                rows.append(enc.ids)
-                routes.append(enc.route)
-                keeps.append(enc.reused)
+                r = self.core.encode(self.origin, query[i, 0], key=correlation_id,
+                                     add_special_tokens=self.add_special_tokens, start=start, end=end, what="QUERY")
+                routes.append(r.shown_route)
             else:
-                rows.append(np.asarray(self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)))
+                r = self.core.encode_stateless(self.origin, query[i, 0], add_special_tokens=self.add_special_tokens,
+                                               what="QUERY")
                 routes.append("encode")
-                keeps.append(0)
-        if not use_session and end and correlation_id not in (None, 0, ""):
-            self.cache.drop(correlation_id)
+            rows.append(r.ids)
+            keeps.append(r.keep)
+        if not use_session and end and keyed:
+            self.core.drop(correlation_id)
         input_id, input_len = self._pad_rows(rows)
 
         decoder_query = inputs.get("DECODER_QUERY")
         if decoder_query is not None:
             dq = np.asarray(decoder_query, dtype=np.object_).reshape(len(decoder_query), -1)
-            drows = [
-                np.asarray(self.tokenizer.encode(self._text(dq[i, 0], "DECODER_QUERY", correlation_id),
-                                                 add_special_tokens=self.add_special_tokens))
-                for i in range(dq.shape[0])
-            ]
+            drows = [self.core.encode_stateless(self.origin, dq[i, 0], add_special_tokens=self.add_special_tokens,
+                                                what="DECODER_QUERY").ids
+                     for i in range(dq.shape[0])]
             decoder_id, decoder_len = self._pad_rows(drows)
         else:
             decoder_id = (pad_id * np.ones((b, 1), np.int32)).astype(np.int32)
@@ -286,9 +253,7 @@ class PreprocessingHandler:
             "REQUEST_DECODER_INPUT_LEN": decoder_len,
             "BAD_WORDS_IDS": self.word_list(inputs.get("BAD_WORDS_DICT"), b),
             "STOP_WORDS_IDS": self.word_list(inputs.get("STOP_WORDS_DICT"), b),
-            "EMBEDDING_BIAS": self.embedding_bias(
-                inputs.get("EMBEDDING_BIAS_WORDS"), inputs.get("EMBEDDING_BIAS_WEIGHTS"), b
-            ),
+            "EMBEDDING_BIAS": self.embedding_bias(bias_words, bias_weights, b),
             "REQUEST_OUTPUT_LEN": np.asarray(output_len, dtype=np.int32),
             "OUT_END_ID": end_id,
             "OUT_PAD_ID": pad_id,
@@ -313,7 +278,7 @@ class PreprocessingHandler:
         for row in words:
             ids_row, offs_row = [], []
             for w in row:
-                ids = self.tokenizer.encode(self._text(w, "words list", None), add_special_tokens=False)
+                ids = self._word_ids(w, False, "words list")
                 if len(ids) == 0:
                     continue
                 ids_row.extend(int(x) for x in ids)
@@ -332,21 +297,13 @@ class PreprocessingHandler:
         """``EMBEDDING_BIAS_WORDS`` / ``WEIGHTS`` -> ``float32[b, V]`` (``V`` = vocab incl. added tokens):
         each word's ids (encoded with ``add_special_tokens=True``, as the original) get its weight added.
         Without words or weights, ``float32[b, 0]``."""
+        words, weights = _bias_inputs(words, weights)
         if words is None or weights is None:
             return np.empty([batch_size, 0], dtype=np.float32)
-        words = np.asarray(words, dtype=np.object_)
-        weights = np.asarray(weights)
-        words = words.reshape(len(words), -1)
-        weights = weights.reshape(len(weights), -1)
-        if words.shape != weights.shape:
-            raise InvalidRequest(
-                f"EMBEDDING_BIAS_WORDS has shape {list(words.shape)} but EMBEDDING_BIAS_WEIGHTS has "
-                f"{list(weights.shape)}: send one weight per word."
-            )
         out = np.zeros((len(words), self.vocab_size), dtype=np.float64)
         for i, (row_w, row_x) in enumerate(zip(words, weights)):
             for w, x in zip(row_w, row_x):
-                for tid in self.tokenizer.encode(self._text(w, "EMBEDDING_BIAS_WORDS", None), add_special_tokens=True):
+                for tid in self._word_ids(w, True, "EMBEDDING_BIAS_WORDS"):
                     out[i, int(tid)] += float(x)
         return out.astype(np.float32)
 
@@ -373,19 +330,27 @@ class PreprocessingHandler:
             )
         return np.full((b, 1), default, dtype=np.int32)
 
-    def _text(self, raw: Any, what: str, corr_id: Hashable | None) -> str:
-        where = f"correlation ID {corr_id!r}: " if corr_id not in (None, 0, "") else ""
-        if isinstance(raw, (bytes, bytearray, np.bytes_)):
-            raw = bytes(raw)
-            if len(raw) > self.max_text_bytes:
-                raise InvalidRequest(
-                    f"{where}{what} is {len(raw)} bytes, over max_text_bytes={self.max_text_bytes} (tokenizer "
-                    f"{self.name}). Shorten it or raise the model parameter max_text_bytes."
-                )
-            try:
-                return tt.decode_text(raw, what=what)
-            except InvalidRequest as e:
-                raise InvalidRequest(f"{where}{e} (tokenizer {self.name})") from e
-        if isinstance(raw, str):
-            return raw
-        raise InvalidRequest(f"{where}{what} must be TYPE_STRING (UTF-8 bytes), got {type(raw).__name__}")
+    def _word_ids(self, word: Any, add_special_tokens: bool, what: str) -> np.ndarray:
+        """``int32[n]`` ids of one word, through the core (verified and counted as ``preprocessing_words``)."""
+        return self.core.encode_stateless(self.words_origin, word, add_special_tokens=add_special_tokens,
+                                          what=what).ids
+
+
+def _bias_inputs(words: np.ndarray | None, weights: np.ndarray | None):
+    """``EMBEDDING_BIAS_WORDS`` / ``WEIGHTS`` as ``[b, n]`` arrays (``None, None`` without either).
+
+    Raises:
+        InvalidRequest: their shapes differ.
+    """
+    if words is None or weights is None:
+        return None, None
+    words = np.asarray(words, dtype=np.object_)
+    weights = np.asarray(weights)
+    words = words.reshape(len(words), -1)
+    weights = weights.reshape(len(weights), -1)
+    if words.shape != weights.shape:
+        raise InvalidRequest(
+            f"EMBEDDING_BIAS_WORDS has shape {list(words.shape)} but EMBEDDING_BIAS_WEIGHTS has "
+            f"{list(weights.shape)}: send one weight per word."
+        )
+    return words, weights

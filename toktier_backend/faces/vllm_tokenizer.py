@@ -2,9 +2,11 @@
 
 :class:`TokTierTokenizer` implements vLLM's ``TokenizerLike`` protocol (``vllm/tokenizers/protocol.py``,
 checked against vLLM 0.33.0) without importing vLLM. Encoding (``encode``, ``__call__``,
-``apply_chat_template(tokenize=True)``) goes through our exact tokenizer; a prompt of at least
-``min_prefix_chars`` is matched by its prefix to a held session (:class:`~.sessions.SessionCache`), so an
-agent's resent conversation is repaired from the last stable cut instead of re-encoded. Everything else
+``apply_chat_template(tokenize=True)``) goes through the serving core (:mod:`toktier_backend.serving.core`):
+a prompt of at least ``min_prefix_chars`` is matched by its prefix to a held session, so an agent's resent
+conversation is repaired from the last stable cut instead of re-encoded; every reply may be sampled by the
+shadow verifier (a mismatch quarantines the route) and is counted in ``toktier_*`` (``face="vllm"``,
+``model="tokenizer"``; vLLM's ``/metrics`` serves the default registry). Everything else
 (``decode``, vocab, special tokens, chat-template resolution and rendering) is the Hugging Face tokenizer
 vLLM's ``hf`` mode would load (``AutoTokenizer.from_pretrained``), and any attribute this class does not
 define is read from (and written to) it, so vLLM's ``HfRenderer`` and Dynamo's vLLM chat processor use it
@@ -31,15 +33,17 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
+from toktier_backend.config import cache_dir
 from toktier_backend.errors import UnsupportedTokenizer
-
-from toktier_backend.serving.prefix_sessions import DEFAULT_MIN_PREFIX_CHARS, SessionCache
+from toktier_backend.serving.core import DEFAULT_MIN_PREFIX_CHARS, CoreConfig, ServingCore
+from toktier_backend.serving.metrics import Origin
+from toktier_backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 MODE = "toktier"
 
-_OWN = frozenset({"hf", "core", "cache", "_init", "_lock", "_cached"})
+_OWN = frozenset({"hf", "core", "origin", "_init", "_lock", "_cached"})
 # Keywords of HF ``__call__``/``encode`` we serve ourselves when they hold these values; anything else -> HF.
 _NEUTRAL_KWARGS = {
     "padding": (False, None, "do_not_pad"),
@@ -59,10 +63,6 @@ _NEUTRAL_KWARGS = {
     "text_pair_target": (None,),
 }
 _TEMPLATE_PASSTHROUGH = ("documents", "chat_template", "add_generation_prompt", "continue_final_message")
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("TOKTIER_CACHE_DIR", Path.home() / ".cache" / "toktier_backend"))
 
 
 def _backend_file(hf: Any, path_or_repo_id: str | Path, revision: str | None, download_dir: str | None) -> Path:
@@ -108,7 +108,7 @@ def _backend_file(hf: Any, path_or_repo_id: str | Path, revision: str | None, do
             log.warning("%s differs from the pipeline transformers built from it; encoding with the backend's "
                         "serialization (guard tables are computed once for it)", candidate)
     digest = hashlib.sha256(serialized.encode("utf-8")).hexdigest()
-    out = _cache_dir() / "hf_backend" / f"{digest}.json"
+    out = cache_dir() / "hf_backend" / f"{digest}.json"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
@@ -123,10 +123,12 @@ class TokTierTokenizer:
 
     Args:
         hf: the Hugging Face fast tokenizer (``AutoTokenizer.from_pretrained(...)``).
-        core: our ``toktier_backend.Tokenizer`` for the same pipeline (see :func:`_backend_file`).
+        core: the serving core of our ``Tokenizer`` for the same pipeline (see :func:`_backend_file`), or that
+            ``Tokenizer`` alone: then a core is built for it (``CoreConfig`` defaults, and the two below).
         min_prefix_chars: prompts at least this long (chars) are matched to a held session by prefix
-            (``$TOKTIER_VLLM_MIN_PREFIX_CHARS``, default 2048).
-        max_sessions: sessions held, LRU beyond (``$TOKTIER_VLLM_MAX_SESSIONS``, default 256).
+            (``$TOKTIER_VLLM_MIN_PREFIX_CHARS``, default 2048); only when a core is built here.
+        max_sessions: sessions held, LRU beyond (``$TOKTIER_VLLM_MAX_SESSIONS``, default 256); likewise.
+        face: the ``face`` label of its metrics (``vllm``; Dynamo's vLLM chat processor: ``dynamo``).
 
     Invariant: ``encode(text, add_special_tokens=f) == hf.encode(text, add_special_tokens=f)`` for every text.
     GPT-2: ``encode("hello world") == [31373, 995]``.
@@ -134,17 +136,22 @@ class TokTierTokenizer:
 
     # ------------------------------------------------------------ construction
 
-    def __init__(self, hf: Any, core: Any, *, min_prefix_chars: int | None = None, max_sessions: int | None = None):
+    def __init__(self, hf: Any, core: ServingCore | Tokenizer, *, min_prefix_chars: int | None = None,
+                 max_sessions: int | None = None, face: str = "vllm"):
         object.__setattr__(self, "hf", hf)
+        if not isinstance(core, ServingCore):
+            env_min = os.environ.get("TOKTIER_VLLM_MIN_PREFIX_CHARS")
+            env_max = os.environ.get("TOKTIER_VLLM_MAX_SESSIONS")
+            config = CoreConfig(
+                tokenizer=str(core.path),
+                min_prefix_chars=int(min_prefix_chars if min_prefix_chars is not None
+                                     else env_min or DEFAULT_MIN_PREFIX_CHARS),
+                max_sessions=int(max_sessions if max_sessions is not None else env_max or 256),
+            )
+            core = ServingCore.from_config(config, tokenizer=core)
         object.__setattr__(self, "core", core)
-        env_min = os.environ.get("TOKTIER_VLLM_MIN_PREFIX_CHARS")
-        env_max = os.environ.get("TOKTIER_VLLM_MAX_SESSIONS")
-        cache = SessionCache(
-            core,
-            min_prefix_chars=int(min_prefix_chars if min_prefix_chars is not None else env_min or DEFAULT_MIN_PREFIX_CHARS),
-            max_sessions=int(max_sessions if max_sessions is not None else env_max or 256),
-        )
-        object.__setattr__(self, "cache", cache)
+        object.__setattr__(self, "origin", Origin(face, "tokenizer"))
+        core.register(self.origin, sessions=True)
         object.__setattr__(self, "_lock", threading.Lock())
         object.__setattr__(self, "_cached", {})
         object.__setattr__(self, "_init", None)
@@ -200,7 +207,7 @@ class TokTierTokenizer:
             setattr(self.hf, name, value)
 
     def __repr__(self) -> str:
-        return f"TokTierTokenizer({getattr(self.hf, 'name_or_path', '?')!r}, engine={self.core.engine.name})"
+        return f"TokTierTokenizer({getattr(self.hf, 'name_or_path', '?')!r}, engine={self.core.tokenizer.engine.name})"
 
     def _memo(self, name: str, compute):
         cached = self._cached
@@ -281,7 +288,7 @@ class TokTierTokenizer:
         """Our ids of ``text`` (session-repaired when long), or ``None`` for non-``str`` input."""
         if not isinstance(text, str):
             return None
-        return self.cache.encode(text, add_special_tokens=add_special_tokens).ids.tolist()
+        return self.core.encode(self.origin, text, add_special_tokens=add_special_tokens, what="prompt").ids.tolist()
 
     def _fits(self, ids: list[int], truncation: Any, max_length: int | None) -> bool:
         """True when HF's truncation would leave ``ids`` unchanged."""

@@ -82,8 +82,9 @@ def _from_ranges(ranges: list[list[int]]) -> np.ndarray:
 def _cache_path() -> Path:
     import tokenizers
 
-    base = Path(os.environ.get("TOKTIER_CACHE_DIR", Path.home() / ".cache" / "toktier_backend"))
-    return base / "gpu" / f"classes-tokenizers{tokenizers.__version__}.json"
+    from toktier_backend.config import cache_dir
+
+    return cache_dir() / "gpu" / f"classes-tokenizers{tokenizers.__version__}.json"
 
 
 def compute_probes() -> dict[str, list[list[int]]]:

@@ -1,7 +1,7 @@
 """``toktier_*`` Prometheus metrics (``prometheus_client``, in the ``serve`` extra), next to Triton's own.
 
 Triton's ``:8002`` serves ``nv_*`` metrics (requests, queue and compute time per model). These add what only
-the handler knows: routes, repairs, fallbacks, the shadow verifier, sessions and their memory.
+the serving core knows: routes, repairs, fallbacks, the shadow verifier, sessions and their memory.
 
 **One port for all instances: multiprocess mode.** Each Python-backend model instance is its own process
 (``toktier_session`` has two, ``toktier_encode`` one). Rather than one port per instance (which Prometheus
@@ -11,14 +11,20 @@ exporter aggregates them on one port: ``toktier serve --toktier-metrics-port`` (
 launching process; other deployments run ``toktier metrics --multiproc-dir DIR --port 8003`` beside
 tritonserver (same ``PROMETHEUS_MULTIPROC_DIR`` in tritonserver's environment). Counters survive an
 instance restart; gauges (``live*`` modes) drop the samples of instances that are gone. Without the
-environment variable (PyTriton face, tests, the library) metrics go to the default in-process registry.
+environment variable (PyTriton, TensorRT-LLM preprocessing outside Triton, vLLM, the proxy, tests, the
+library) metrics go to the default in-process registry: vLLM's own ``/metrics`` shows them, the proxy
+serves them with ``--metrics-port``.
 
-Metrics (``model`` is ``toktier_session`` or ``toktier_encode``):
+Every metric carries ``face`` (who served the request: ``triton``, ``pytriton``, ``trtllm``, ``vllm``,
+``proxy``, ``dynamo``; :data:`FACES`) and ``model`` (the Triton model or endpoint of that face:
+``toktier_session``, ``toktier_encode``, ``preprocessing``, ``preprocessing_words``, ``tokenizer``,
+``completions``, ``chat``). Together they are an :class:`Origin`.
 
 =========================================  =========  ==========================================================
 name                                       type       labels / meaning
 =========================================  =========  ==========================================================
 toktier_requests_total                     counter    model, route, mode (full | delta | encode)
+                                                      (every metric also has ``face``)
 toktier_request_errors_total               counter    model, code (INVALID_ARG | NOT_FOUND | UNAVAILABLE | INTERNAL)
 toktier_request_duration_seconds           histogram  model, route: handler time per request
 toktier_repair_window_widenings            histogram  model: doublings of the repair window per repair
@@ -51,12 +57,15 @@ engine (``cpu_no_gpu``), the GPU engine does not take the text (``cpu_not_accept
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+from toktier_backend.tokenizer import FAST_ROUTES
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,23 @@ DEFAULT_TOKTIER_METRICS_PORT = 8003
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 WIDENING_BUCKETS = (0, 1, 2, 3, 4, 5, 6)
+
+FACES = ("triton", "pytriton", "trtllm", "vllm", "proxy", "dynamo")
+"""Values of the ``face`` label."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Who a request came through: the ``face`` and ``model`` labels of everything it records.
+
+    Attributes:
+        face: one of :data:`FACES`.
+        model: the Triton model or endpoint of that face (``toktier_session``, ``preprocessing``, ...).
+    """
+
+    face: str
+    model: str
+
 
 _instance: "Metrics | None" = None
 
@@ -83,133 +109,142 @@ def get_metrics() -> "Metrics | None":
 
 
 class Metrics:
-    """The ``toktier_*`` metric objects.
+    """The ``toktier_*`` metric objects; every label set starts with ``face``, ``model`` (an :class:`Origin`).
 
     Args:
         registry: a ``prometheus_client.CollectorRegistry`` (default: the global one; in multiprocess mode
             the values go to ``$PROMETHEUS_MULTIPROC_DIR`` regardless).
-        pool_stats: a callable returning the CPU pool's ``stats()`` dict; overrides the ``pool`` the handler
-            passes to :meth:`set_state` (default: that pool, else ``toktier_backend.pipeline.chunked``'s shared pool
-            once created).
+        pool_stats: a callable returning the CPU pool's ``stats()`` dict; overrides the ``pool`` the core
+            passes to :meth:`set_state` (default: that pool, else the process-wide shared pool once created).
     """
 
     def __init__(self, registry: Any = None, *, pool_stats: Callable[[], dict | None] | None = None):
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
         reg = REGISTRY if registry is None else registry
+        o = ["face", "model"]
         self.requests = Counter("toktier_requests", "Requests served, by route and mode.",
-                                ["model", "route", "mode"], registry=reg)
+                                o + ["route", "mode"], registry=reg)
         self.errors = Counter("toktier_request_errors", "Requests answered with an error, by Triton error code.",
-                              ["model", "code"], registry=reg)
-        self.latency = Histogram("toktier_request_duration_seconds", "Handler time per request, by route.",
-                                 ["model", "route"], buckets=LATENCY_BUCKETS, registry=reg)
+                              o + ["code"], registry=reg)
+        self.latency = Histogram("toktier_request_duration_seconds", "Serving-core time per request, by route.",
+                                 o + ["route"], buckets=LATENCY_BUCKETS, registry=reg)
         self.widenings = Histogram("toktier_repair_window_widenings",
                                    "Doublings of the repair window per repair (6 = no stable cut: full encode).",
-                                   ["model"], buckets=WIDENING_BUCKETS, registry=reg)
+                                   o, buckets=WIDENING_BUCKETS, registry=reg)
         self.fallbacks = Counter("toktier_fallbacks", "Requests the fast path handed to the reference or a full "
-                                 "encode, by reason.", ["model", "reason"], registry=reg)
+                                 "encode, by reason.", o + ["reason"], registry=reg)
         self.tokens = Counter("toktier_tokens", "Ids reused from the previous reply vs re-encoded.",
-                              ["model", "kind"], registry=reg)
+                              o + ["kind"], registry=reg)
         self.verifier_samples = Counter("toktier_verifier_samples", "Replies checked by the shadow verifier.",
-                                        ["model", "result"], registry=reg)
+                                        o + ["result"], registry=reg)
         self.verifier_mismatches = Counter("toktier_verifier_mismatches", "Shadow verifier mismatches, by route.",
-                                           ["model", "route"], registry=reg)
+                                           o + ["route"], registry=reg)
         self.verifier_dropped = Counter("toktier_verifier_dropped", "Samples dropped because the verifier queue "
-                                        "was full.", ["model"], registry=reg)
+                                        "was full.", o, registry=reg)
         self.verifier_queue = Gauge("toktier_verifier_queue_depth", "Samples waiting for the verifier.",
-                                    ["model"], registry=reg, multiprocess_mode="livesum")
+                                    o, registry=reg, multiprocess_mode="livesum")
         self.quarantined = Gauge("toktier_quarantined_routes", "1 while the route is quarantined (served by the "
-                                 "reference).", ["model", "route"], registry=reg, multiprocess_mode="livemax")
-        self.sessions = Gauge("toktier_sessions", "Sessions held.", ["model"], registry=reg,
+                                 "reference).", o + ["route"], registry=reg, multiprocess_mode="livemax")
+        self.sessions = Gauge("toktier_sessions", "Sessions held.", o, registry=reg,
                               multiprocess_mode="livesum")
-        self.session_bytes = Gauge("toktier_session_memory_bytes", "Bytes charged for held sessions.", ["model"],
+        self.session_bytes = Gauge("toktier_session_memory_bytes", "Bytes charged for held sessions.", o,
                                    registry=reg, multiprocess_mode="livesum")
         self.session_budget = Gauge("toktier_session_budget_bytes", "Session byte budget (0: unbounded).",
-                                    ["model"], registry=reg, multiprocess_mode="livesum")
+                                    o, registry=reg, multiprocess_mode="livesum")
         self.evictions = Counter("toktier_session_evictions", "Sessions dropped other than by END, by cause.",
-                                 ["model", "cause"], registry=reg)
+                                 o + ["cause"], registry=reg)
         self.prefix_index_bytes = Gauge("toktier_prefix_index_bytes", "Bytes held by the cross-session prefix "
-                                        "index (bounded by its own budget).", ["model"], registry=reg,
+                                        "index (bounded by its own budget).", o, registry=reg,
                                         multiprocess_mode="livesum")
         self.pool_queue = Gauge("toktier_cpu_pool_queue_depth", "Tasks waiting in the shared CPU pool.",
-                                ["model"], registry=reg, multiprocess_mode="livesum")
+                                o, registry=reg, multiprocess_mode="livesum")
         self.pool_wait = Gauge("toktier_cpu_pool_wait_seconds", "CPU pool wait (submission to start).",
-                               ["model", "priority", "stat"], registry=reg, multiprocess_mode="livemax")
+                               o + ["priority", "stat"], registry=reg, multiprocess_mode="livemax")
         self.encode_routes = Counter("toktier_encode_route", "Stateless encodes by where the body ran: gpu, or "
-                                     "a cpu_* reason.", ["model", "route"], registry=reg)
+                                     "a cpu_* reason.", o + ["route"], registry=reg)
         self.gpu_engine_loads = Counter("toktier_gpu_engine_loads", "GPU model instances' engine at load: ok, "
-                                        "off, unavailable, canary_failed.", ["model", "result"], registry=reg)
+                                        "off, unavailable, canary_failed.", o + ["result"], registry=reg)
         self._explicit_pool_stats = pool_stats is not None
         self.pool_stats = pool_stats or _shared_pool_stats
         self._pool_next = 0.0  # pool stats cost percentiles over a window: refreshed at most once a second
 
     # ------------------------------------------------------------ recording
 
-    def touch(self, model: str) -> None:
-        """Export the counters a healthy server may never increment, at 0 (so alerts see the series)."""
-        self.verifier_dropped.labels(model)
-        self.verifier_samples.labels(model, "mismatch")
-        if model == "toktier_session":
+    def touch(self, origin: Origin, *, sessions: bool = False) -> None:
+        """Export the counters a healthy server may never increment, at 0 (so alerts see the series);
+        ``sessions``: also the eviction causes (an origin that holds sessions)."""
+        f, m = origin.face, origin.model
+        self.verifier_dropped.labels(f, m)
+        self.verifier_samples.labels(f, m, "mismatch")
+        if sessions:
             for cause in ("idle", "budget", "start", "error"):
-                self.evictions.labels(model, cause)
+                self.evictions.labels(f, m, cause)
 
-    def observe_reply(self, model: str, mode: str, route: str, seconds: float, repair: Any = None) -> None:
+    def observe_reply(self, origin: Origin, mode: str, route: str, seconds: float, repair: Any = None) -> None:
         """One successful request: route/mode count, latency, and what the repair did (``RepairInfo``)."""
-        self.requests.labels(model, route, mode).inc()
-        self.latency.labels(model, route).observe(seconds)
+        f, m = origin.face, origin.model
+        self.requests.labels(f, m, route, mode).inc()
+        self.latency.labels(f, m, route).observe(seconds)
         if repair is None:
             return
-        if route in ("append", "edit", "full") and getattr(repair, "departure", 0) > 0:
-            self.widenings.labels(model).observe(int(repair.widenings))
+        if route in FAST_ROUTES and getattr(repair, "departure", 0) > 0:
+            self.widenings.labels(f, m).observe(int(repair.widenings))
         reason = getattr(repair, "fallback", "")
         if reason:
-            self.fallbacks.labels(model, reason).inc()
+            self.fallbacks.labels(f, m, reason).inc()
         if repair.reused:
-            self.tokens.labels(model, "reused").inc(int(repair.reused))
+            self.tokens.labels(f, m, "reused").inc(int(repair.reused))
         if repair.reencoded:
-            self.tokens.labels(model, "reencoded").inc(int(repair.reencoded))
+            self.tokens.labels(f, m, "reencoded").inc(int(repair.reencoded))
 
-    def observe_encode_route(self, model: str, route: str) -> None:
+    def observe_encode_route(self, origin: Origin, route: str) -> None:
         """One stateless encode served on ``route`` (``gpu`` or a ``cpu_*`` reason; see the module docstring)."""
-        self.encode_routes.labels(model, route).inc()
+        self.encode_routes.labels(origin.face, origin.model, route).inc()
 
-    def observe_gpu_engine(self, model: str, result: str) -> None:
+    def observe_gpu_engine(self, origin: Origin, result: str) -> None:
         """A GPU instance's engine at load: ``ok``, ``off``, ``unavailable`` or ``canary_failed``. Exports the
         GPU fallback routes at 0 so that alerts see the series."""
-        self.gpu_engine_loads.labels(model, result).inc()
+        f, m = origin.face, origin.model
+        self.gpu_engine_loads.labels(f, m, result).inc()
         for route in ("gpu", "cpu_no_gpu", "cpu_gpu_error", "cpu_queue_full"):
-            self.encode_routes.labels(model, route)
+            self.encode_routes.labels(f, m, route)
 
-    def observe_error(self, model: str, code: str) -> None:
-        self.errors.labels(model, code).inc()
+    def observe_error(self, origin: Origin, code: str) -> None:
+        self.errors.labels(origin.face, origin.model, code).inc()
 
-    def observe_sample(self, model: str, route: str, ok: bool) -> None:
-        self.verifier_samples.labels(model, "match" if ok else "mismatch").inc()
+    def observe_eviction(self, origin: Origin, cause: str) -> None:
+        self.evictions.labels(origin.face, origin.model, cause).inc()
+
+    def observe_sample(self, origin: Origin, route: str, ok: bool) -> None:
+        f, m = origin.face, origin.model
+        self.verifier_samples.labels(f, m, "match" if ok else "mismatch").inc()
         if not ok:
-            self.verifier_mismatches.labels(model, route).inc()
+            self.verifier_mismatches.labels(f, m, route).inc()
 
-    def set_state(self, model: str, *, store: Any = None, verifier: Any = None, tokenizer: Any = None,
+    def set_state(self, origin: Origin, *, store: Any = None, verifier: Any = None, tokenizer: Any = None,
                   dropped_delta: int = 0, pool: Any = None) -> None:
         """Refresh the gauges from the live objects (O(1) each; the CPU pool's at most once a second, from
         ``pool.stats()`` when given, else the ``pool_stats`` callable)."""
+        f, m = origin.face, origin.model
         if store is not None:
-            self.sessions.labels(model).set(len(store))
-            self.session_bytes.labels(model).set(store.nbytes)
-            self.session_budget.labels(model).set(store.max_bytes or 0)
+            self.sessions.labels(f, m).set(len(store))
+            self.session_bytes.labels(f, m).set(store.nbytes)
+            self.session_budget.labels(f, m).set(store.max_bytes or 0)
         if verifier is not None:
-            self.verifier_queue.labels(model).set(verifier.queue_depth)
+            self.verifier_queue.labels(f, m).set(verifier.queue_depth)
         if dropped_delta:
-            self.verifier_dropped.labels(model).inc(dropped_delta)
+            self.verifier_dropped.labels(f, m).inc(dropped_delta)
         if tokenizer is not None:
             q = getattr(tokenizer, "quarantined", {})
-            for route in ("full", "append", "edit"):
-                self.quarantined.labels(model, route).set(1 if route in q else 0)
+            for route in FAST_ROUTES:
+                self.quarantined.labels(f, m, route).set(1 if route in q else 0)
             idx = getattr(tokenizer, "prefix_index", None)
             if idx is not None:
-                self.prefix_index_bytes.labels(model).set(getattr(idx, "nbytes", 0))
-        self._set_pool(model, pool)
+                self.prefix_index_bytes.labels(f, m).set(getattr(idx, "nbytes", 0))
+        self._set_pool(origin, pool)
 
-    def _set_pool(self, model: str, pool: Any = None) -> None:
+    def _set_pool(self, origin: Origin, pool: Any = None) -> None:
         import time
 
         now = time.monotonic()
@@ -225,18 +260,19 @@ class Metrics:
             return
         if not stats:
             return
-        self.pool_queue.labels(model).set(stats.get("queue_depth", 0))
-        for prio, s in (stats.get("by_priority") or {}).items():
+        f, m = origin.face, origin.model
+        self.pool_queue.labels(f, m).set(stats.get("queue_depth", 0))
+        for prio, st in (stats.get("by_priority") or {}).items():
             for stat in ("mean", "p50", "p99", "max"):
-                v = s.get(f"wait_ms_{stat}")
+                v = st.get(f"wait_ms_{stat}")
                 if v is not None:
-                    self.pool_wait.labels(model, prio, stat).set(v / 1e3)
+                    self.pool_wait.labels(f, m, prio, stat).set(v / 1e3)
 
 
 def _shared_pool_stats() -> dict | None:
-    """``toktier_backend.pipeline.chunked``'s shared pool ``stats()`` once that module has created it; else None
+    """``toktier_backend.runtime.pool``'s shared pool ``stats()`` once that module has created it; else None
     (this never creates a pool)."""
-    mod = sys.modules.get("toktier_backend.pipeline.chunked")
+    mod = sys.modules.get("toktier_backend.runtime.pool")
     pool = getattr(mod, "_shared", None) if mod is not None else None
     return pool.stats() if pool is not None and hasattr(pool, "stats") else None
 
@@ -320,8 +356,8 @@ def start_exporter(port: int, host: str = "127.0.0.1", *, multiproc_dir: str | o
 def main(argv: list[str] | None = None) -> int:
     """``toktier metrics``: the aggregating exporter for a tritonserver started by other means."""
     import argparse
-    import signal
-    import threading
+
+    from toktier_backend.config import stop_on_signals
 
     ap = argparse.ArgumentParser(prog="toktier metrics", description=main.__doc__)
     ap.add_argument("--multiproc-dir", default=os.environ.get(MULTIPROC_ENV),
@@ -331,15 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.multiproc_dir:
         ap.error(f"--multiproc-dir (or {MULTIPROC_ENV}) is required")
-    server, _ = start_exporter(args.port, args.host, multiproc_dir=args.multiproc_dir)
-    stop = threading.Event()
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: stop.set())
-    print(f"toktier metrics: http://{args.host}:{args.port}/metrics ({args.multiproc_dir})", flush=True)
-    stop.wait()
-    server.shutdown()
+    with stop_on_signals() as stop:
+        server, _ = start_exporter(args.port, args.host, multiproc_dir=args.multiproc_dir)
+        print(f"toktier metrics: http://{args.host}:{args.port}/metrics ({args.multiproc_dir})", flush=True)
+        stop.wait()
+        server.shutdown()
     return 0
 
 
-__all__ = ["DEFAULT_TOKTIER_METRICS_PORT", "MULTIPROC_ENV", "Metrics", "get_metrics", "metric", "multiprocess_registry",
-           "scrape", "start_exporter"]
+__all__ = ["DEFAULT_TOKTIER_METRICS_PORT", "FACES", "MULTIPROC_ENV", "Metrics", "Origin", "get_metrics", "metric",
+           "multiprocess_registry", "scrape", "start_exporter"]

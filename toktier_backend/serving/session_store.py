@@ -1,4 +1,5 @@
-"""Sessions by correlation ID: an idle TTL, a byte budget with LRU eviction, and START/END semantics.
+"""Sessions by key (correlation ID, header or body field) or by prompt prefix: an idle TTL, one byte budget
+and one LRU order (shared with the tokenizer's prefix index), and START/END semantics.
 
 Memory is counted honestly: each entry costs ``Session.nbytes`` (text blocks as ``sys.getsizeof`` counts
 them, the id/offset arrays at their capacity) plus :data:`ENTRY_OVERHEAD` for the Python objects around them
@@ -8,12 +9,24 @@ right after its reply. An evicted or unknown session is rebuilt exactly from the
 ``MODE=full`` request; a ``MODE=delta`` request for it gets ``UnknownSession`` (NOT_FOUND) asking for the
 whole text.
 
-Not thread-safe by itself: the serving handler serializes access.
+**Found by prefix.** Callers that send no key (vLLM's ``encode(prompt)``, a proxy request without a session
+header) find a held session by the prompt's prefix: the text is hashed at doubling checkpoints
+(``checkpoint_chars * 2**k`` chars: 1K, 2K, 4K, ...) and the deepest checkpoint shared with a held session
+picks it (:meth:`SessionStore.find_prefix`). An agent that resends its whole conversation plus a new turn
+shares every checkpoint of its previous request. Such sessions are held under a :class:`PrefixKey` (never
+equal to a caller's key) in the same LRU order and budget as keyed ones. Exactness never depends on the
+match: ``Session.update(text)`` finds the real departure point by comparing texts, so a hash collision or
+a stale session costs time, never a wrong id.
+
+Thread-safe: every method takes the store's lock (an ``RLock``, :attr:`SessionStore.lock`, which a caller
+may hold around several calls). A session itself is used by one request at a time: :attr:`SessionEntry.lock`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import threading
 import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Hashable
@@ -21,15 +34,26 @@ from typing import Any, Callable, Hashable
 DEFAULT_SESSION_TTL_S = 600.0
 """Default idle time after which a session is dropped, in seconds (the sequence batcher's idle timeout)."""
 
-ENTRY_OVERHEAD = 3072
+ENTRY_OVERHEAD = 3200
 """Bytes per held session beyond ``Session.nbytes``: the Session, TextStore, TokenBuffer and RepairInfo
-objects, the entry, and the store's dict node (measured: 2.3-2.8 KiB, see the test)."""
+objects, the entry (with its lock), and the store's dict node (measured: 2.4-2.9 KiB, see the test)."""
 
 EVICTION_CAUSES = ("idle", "budget", "start", "error")
-"""Why a session was dropped other than by END: idle past the TTL, LRU under the byte budget, a START on its
-correlation ID replaced it, or a request failed mid-update (its state could be half-applied)."""
+"""Why a session was dropped other than by END: idle past the TTL, LRU under the byte budget (or beyond
+``max_sessions``), a START on its key replaced it, or a request failed mid-update (its state could be
+half-applied)."""
+
+DEFAULT_CHECKPOINT_CHARS = 1024
+"""First prefix checkpoint, in chars; checkpoints double from there."""
 
 CorrelationId = Hashable  # int or str, as request.correlation_id() returns it
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixKey:
+    """The store key of a session found by prefix (no caller key): never equal to an ``int`` or ``str``."""
+
+    n: int
 
 
 @dataclasses.dataclass
@@ -42,25 +66,36 @@ class SessionEntry:
         text_bytes: UTF-8 bytes of ``session.text`` (checked against ``max_text_bytes`` without re-encoding).
         last_used: clock time of the last request, in seconds.
         nbytes: memory charged to the budget at the last :meth:`SessionStore.account`, in bytes.
+        lock: held by the one request using the session (the core takes it around a step).
+        checkpoints: prefix index keys held by this entry (prefix-found sessions only).
+        depth: deepest checkpoint index of its text (``-1``: none).
+        requests: successful requests served from it (0: its first is running or failed).
     """
 
-    session: Any
+    session: Any  # toktier_backend.Session (a stand-in with ``nbytes`` in the store's tests)
     add_special_tokens: bool
     text_bytes: int
     last_used: float
     nbytes: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+    checkpoints: tuple = ()
+    depth: int = -1
+    requests: int = 0
 
 
 class SessionStore:
-    """Sessions by correlation ID, least recently used first.
+    """Sessions by key or prompt prefix, least recently used first.
 
     Args:
         ttl_s: idle time, in seconds, after which a session is dropped (checked lazily on access and by
             :meth:`expire`). Align it with the sequence batcher's ``max_sequence_idle_microseconds``.
         max_bytes: byte budget of all held sessions (``None`` or 0: unbounded).
+        max_sessions: most sessions held (``None`` or 0: unbounded); the least recently used go beyond it
+            (cause ``budget``).
+        checkpoint_chars: first prefix checkpoint, in chars (:meth:`checkpoints`).
         clock: monotonic clock in seconds (tests pass a fake one).
-        on_evict: called as ``on_evict(corr_id, entry, cause)`` for every eviction (cause in
-            :data:`EVICTION_CAUSES`); END is not an eviction.
+        on_evict: called as ``on_evict(key, entry, cause)`` for every eviction (cause in
+            :data:`EVICTION_CAUSES`), under the store's lock; END is not an eviction.
     """
 
     def __init__(
@@ -68,6 +103,8 @@ class SessionStore:
         *,
         ttl_s: float = DEFAULT_SESSION_TTL_S,
         max_bytes: int | None = None,
+        max_sessions: int | None = None,
+        checkpoint_chars: int = DEFAULT_CHECKPOINT_CHARS,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[CorrelationId, SessionEntry, str], None] | None = None,
     ):
@@ -75,8 +112,18 @@ class SessionStore:
             raise ValueError(f"ttl_s must be > 0 seconds, got {ttl_s!r}")
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 (0: unbounded), got {max_bytes!r}")
+        if max_sessions is not None and max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0 (0: unbounded), got {max_sessions!r}")
+        if checkpoint_chars < 1:
+            raise ValueError(f"checkpoint_chars must be >= 1, got {checkpoint_chars!r}")
         self.ttl_s = float(ttl_s)
         self.max_bytes = int(max_bytes) if max_bytes else None
+        self.max_sessions = int(max_sessions) if max_sessions else None
+        self.checkpoint_chars = int(checkpoint_chars)
+        #: Taken by every method; hold it around several calls that must see one state.
+        self.lock = threading.RLock()
+        self._index: dict[tuple, CorrelationId] = {}  # (flag, k, hash(text[:P_k])) -> key of a prefix session
+        self._prefix_keys = itertools.count(1)
         self._clock = clock
         self._on_evict = on_evict
         self._entries: OrderedDict[CorrelationId, SessionEntry] = OrderedDict()  # LRU first
@@ -92,8 +139,8 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, corr_id: CorrelationId) -> bool:
-        return self.get(corr_id, touch=False) is not None
+    def __contains__(self, key: CorrelationId) -> bool:
+        return self.get(key, touch=False) is not None
 
     def now(self) -> float:
         return self._clock()
@@ -108,33 +155,96 @@ class SessionStore:
         """Sessions dropped for idleness since start."""
         return self.evictions["idle"]
 
-    def get(self, corr_id: CorrelationId, *, touch: bool = True) -> SessionEntry | None:
-        """The live entry for ``corr_id`` (now the most recently used), or ``None`` (never held, ended,
+    def get(self, key: CorrelationId, *, touch: bool = True) -> SessionEntry | None:
+        """The live entry for ``key`` (now the most recently used), or ``None`` (never held, ended,
         evicted, or idle past the TTL)."""
-        entry = self._entries.get(corr_id)
-        if entry is None:
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if self._clock() - entry.last_used > self.ttl_s:
+                self._drop(key, "idle")
+                return None
+            if touch:
+                self._entries.move_to_end(key)
+            return entry
+
+    def holds(self, key: CorrelationId, entry: SessionEntry) -> bool:
+        """Is ``entry`` still the one held under ``key`` (not ended, evicted or replaced meanwhile)?"""
+        with self.lock:
+            return self._entries.get(key) is entry
+
+    # ------------------------------------------------------------ by prefix
+
+    def checkpoints(self, text: str, flag: bool) -> tuple[tuple, int]:
+        """Index keys ``(flag, k, hash(text[:checkpoint_chars * 2**k]))`` of every checkpoint within
+        ``text``, and the deepest ``k`` (``-1`` when the text is shorter than the first checkpoint).
+        Costs one hash of each prefix: about ``2 * len(text)`` chars hashed."""
+        keys, k, p = [], 0, self.checkpoint_chars
+        while p <= len(text):
+            keys.append((bool(flag), k, hash(text[:p])))
+            k += 1
+            p *= 2
+        return tuple(keys), k - 1
+
+    def find_prefix(self, checkpoints: tuple) -> tuple[CorrelationId, SessionEntry] | None:
+        """The held prefix session sharing the deepest of ``checkpoints`` (from :meth:`checkpoints`), now the
+        most recently used, or ``None``.
+
+        A text is matched to a session only when it shares that session's deepest (or next-deepest)
+        checkpoint: it grew or was edited near its end. A fork earlier than that (another conversation with
+        the same system prompt) gets a session of its own, so two conversations never take turns rewriting
+        one session.
+        """
+        with self.lock:
+            for ck in reversed(checkpoints):  # deepest shared checkpoint first
+                key = self._index.get(ck)
+                if key is None:
+                    continue
+                entry = self.get(key)
+                if entry is None:
+                    continue
+                return (key, entry) if ck[1] >= entry.depth - 1 else None
             return None
-        if self._clock() - entry.last_used > self.ttl_s:
-            self._drop(corr_id, "idle")
-            return None
-        if touch:
-            self._entries.move_to_end(corr_id)
-        return entry
+
+    def new_prefix_key(self) -> PrefixKey:
+        """A fresh key for a session found by prefix."""
+        return PrefixKey(next(self._prefix_keys))
+
+    def index(self, key: CorrelationId, checkpoints: tuple, depth: int) -> None:
+        """Point ``checkpoints`` at the prefix session ``key`` (its text's, after a request), replacing what
+        the entry indexed before; nothing when ``key`` is no longer held."""
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
+            self._unindex(key, entry)
+            for ck in checkpoints:
+                self._index[ck] = key
+            entry.checkpoints, entry.depth = tuple(checkpoints), int(depth)
+
+    def _unindex(self, key: CorrelationId, entry: SessionEntry) -> None:
+        for ck in entry.checkpoints:
+            if self._index.get(ck) == key:
+                del self._index[ck]
+        entry.checkpoints = ()
 
     # ------------------------------------------------------------ writing
 
-    def put(self, corr_id: CorrelationId, entry: SessionEntry) -> list[CorrelationId]:
-        """Hold ``entry`` (replacing any entry of ``corr_id`` without counting an eviction) and charge it.
+    def put(self, key: CorrelationId, entry: SessionEntry) -> list[CorrelationId]:
+        """Hold ``entry`` (replacing any entry of ``key`` without counting an eviction) and charge it.
 
         Returns:
-            the correlation IDs evicted to stay within the budget (may include ``corr_id`` itself).
+            the keys evicted to stay within the budget (may include ``key`` itself).
         """
-        old = self._entries.pop(corr_id, None)
-        if old is not None:
-            self._nbytes -= old.nbytes
-        entry.nbytes = 0
-        self._entries[corr_id] = entry
-        return self.account(corr_id)
+        with self.lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._nbytes -= old.nbytes
+                self._unindex(key, old)
+            entry.nbytes = 0
+            self._entries[key] = entry
+            return self.account(key)
 
     def share_budget(self, other) -> None:
         """Charge ``other`` (a ``PrefixIndex``) to this store's byte budget: one least-recently-used order
@@ -145,43 +255,51 @@ class SessionStore:
     def _total(self) -> int:
         return self._nbytes + (self.shared.nbytes if self.shared is not None else 0)
 
-    def account(self, corr_id: CorrelationId | None) -> list[CorrelationId]:
-        """Re-measure ``corr_id`` (``None``: nothing) after a request changed it, then evict what was used
+    def account(self, key: CorrelationId | None) -> list[CorrelationId]:
+        """Re-measure ``key`` (``None``: nothing) after a request changed it, then evict what was used
         least recently, sessions or (with :meth:`share_budget`) indexed prefix chunks, while the total is over
-        the budget.
+        the budget or more than ``max_sessions`` are held.
 
         Returns:
-            the correlation IDs evicted (``corr_id`` last, only if it alone is over the budget).
+            the keys evicted (``key`` last, only if it alone is over the budget).
         """
-        entry = self._entries.get(corr_id) if corr_id is not None else None
-        if entry is not None:
-            size = int(getattr(entry.session, "nbytes", 0)) + ENTRY_OVERHEAD
-            self._nbytes += size - entry.nbytes
-            entry.nbytes = size
-        evicted: list[CorrelationId] = []
-        if self.max_bytes is None:
+        with self.lock:
+            entry = self._entries.get(key) if key is not None else None
+            if entry is not None:
+                size = int(getattr(entry.session, "nbytes", 0)) + ENTRY_OVERHEAD
+                self._nbytes += size - entry.nbytes
+                entry.nbytes = size
+            evicted: list[CorrelationId] = []
+            while self.max_sessions is not None and len(self._entries) > self.max_sessions:
+                victim = next((k for k in self._entries if k != key), None)
+                if victim is None:
+                    break
+                self._drop(victim, "budget")
+                evicted.append(victim)
+            if self.max_bytes is None:
+                return evicted
+            while self._total() > self.max_bytes:
+                victim = next((k for k in self._entries if k != key), None)
+                oldest = self.shared.oldest_use() if self.shared is not None else None
+                if oldest is not None and (victim is None or oldest <= self._entries[victim].last_used):
+                    self.shared.evict_oldest()
+                    continue
+                if victim is None:
+                    break
+                self._drop(victim, "budget")
+                evicted.append(victim)
+            if self._total() > self.max_bytes and key in self._entries:
+                self._drop(key, "budget")  # alone over the budget: the reply went out, the state does not stay
+                evicted.append(key)
             return evicted
-        while self._total() > self.max_bytes:
-            victim = next((k for k in self._entries if k != corr_id), None)
-            oldest = self.shared.oldest_use() if self.shared is not None else None
-            if oldest is not None and (victim is None or oldest <= self._entries[victim].last_used):
-                self.shared.evict_oldest()
-                continue
-            if victim is None:
-                break
-            self._drop(victim, "budget")
-            evicted.append(victim)
-        if self._total() > self.max_bytes and corr_id in self._entries:
-            self._drop(corr_id, "budget")  # alone over the budget: the reply went out, the state does not stay
-            evicted.append(corr_id)
-        return evicted
 
-    def pop(self, corr_id: CorrelationId, cause: str | None = None) -> SessionEntry | None:
-        """Free the session of ``corr_id``; ``cause`` (one of :data:`EVICTION_CAUSES`) counts it as an
+    def pop(self, key: CorrelationId, cause: str | None = None) -> SessionEntry | None:
+        """Free the session of ``key``; ``cause`` (one of :data:`EVICTION_CAUSES`) counts it as an
         eviction, ``None`` (END) does not. Returns the entry, or ``None`` if none was held."""
-        if corr_id not in self._entries:
-            return None
-        return self._drop(corr_id, cause)
+        with self.lock:
+            if key not in self._entries:
+                return None
+            return self._drop(key, cause)
 
     def expire(self, *, force: bool = False) -> int:
         """Drop every session idle past the TTL; runs at most once per ``min(TTL, 60 s)`` unless ``force``.
@@ -189,23 +307,32 @@ class SessionStore:
         Returns:
             how many sessions were dropped.
         """
-        now = self._clock()
-        if not force and now < self._next_sweep:
-            return 0
-        self._next_sweep = now + min(self.ttl_s, 60.0)
-        stale = [k for k, e in self._entries.items() if now - e.last_used > self.ttl_s]
-        for k in stale:
-            self._drop(k, "idle")
-        return len(stale)
+        with self.lock:
+            now = self._clock()
+            if not force and now < self._next_sweep:
+                return 0
+            self._next_sweep = now + min(self.ttl_s, 60.0)
+            stale = [k for k, e in self._entries.items() if now - e.last_used > self.ttl_s]
+            for k in stale:
+                self._drop(k, "idle")
+            return len(stale)
 
-    def _drop(self, corr_id: CorrelationId, cause: str | None) -> SessionEntry:
-        entry = self._entries.pop(corr_id)
+    def clear(self) -> None:
+        """Drop every session (END semantics: not counted as evictions)."""
+        with self.lock:
+            for key in list(self._entries):
+                self._drop(key, None)
+
+    def _drop(self, key: CorrelationId, cause: str | None) -> SessionEntry:
+        entry = self._entries.pop(key)
         self._nbytes -= entry.nbytes
+        self._unindex(key, entry)
         if cause is not None:
             self.evictions[cause] += 1
             if self._on_evict is not None:
-                self._on_evict(corr_id, entry, cause)
+                self._on_evict(key, entry, cause)
         return entry
 
 
-__all__ = ["DEFAULT_SESSION_TTL_S", "ENTRY_OVERHEAD", "EVICTION_CAUSES", "SessionEntry", "SessionStore"]
+__all__ = ["DEFAULT_CHECKPOINT_CHARS", "DEFAULT_SESSION_TTL_S", "ENTRY_OVERHEAD", "EVICTION_CAUSES", "PrefixKey",
+           "SessionEntry", "SessionStore"]

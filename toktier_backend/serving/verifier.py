@@ -43,12 +43,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from toktier_backend.tokenizer import FAST_ROUTES, Tokenizer
+
 log = logging.getLogger(__name__)
 
-FAST_ROUTES = ("full", "append", "edit")
 
-
-def build_key(tokenizer: Any) -> str:
+def build_key(tokenizer: Tokenizer) -> str:
     """``"<file sha256>/<engine>-<version>"``: what a quarantine and the first-N sampling are per."""
     eng = tokenizer.engine
     return f"{tokenizer.spec.sha256}/{eng.name}-{getattr(eng, 'version', 'unknown')}"
@@ -142,6 +142,7 @@ class Sample:
     engine: str
     key: str
     nbytes: int
+    tag: Any = None  # the submitter's (the serving core's Origin), handed back to ``on_result``
 
 
 @dataclass
@@ -200,7 +201,7 @@ class Verifier:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         rate: float = 0.01,
         first_n: int = 32,
@@ -259,15 +260,18 @@ class Verifier:
         return self.rate > 0 and self._rng.random() < self.rate
 
     def submit(self, text: str, ids: np.ndarray, *, add_special_tokens: bool, route: str, cut: int = 0,
-               engine: str = "") -> bool:
+               engine: str = "", tag: Any = None) -> bool:
         """Queue one reply for checking (``ids`` is copied). Never blocks.
+
+        ``tag`` comes back as ``Sample.tag`` to ``on_result`` (the core passes the request's origin).
 
         Returns:
             False when the sample was dropped (queue full in samples or bytes, or closed).
         """
         ids = np.array(ids, dtype=np.int32)
         nbytes = sys.getsizeof(text) + ids.nbytes
-        sample = Sample(text, ids, bool(add_special_tokens), route, int(cut), engine, build_key(self.tokenizer), nbytes)
+        sample = Sample(text, ids, bool(add_special_tokens), route, int(cut), engine, build_key(self.tokenizer), nbytes,
+                        tag)
         with self._lock:
             if self._closed or self._queued_bytes + nbytes > self.max_queue_bytes:
                 self.dropped += 1

@@ -46,4 +46,6 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
+        if self.handler is not None:
+            self.handler.core.close()  # stops the shadow verifier's and the session sweeper's threads
         self.handler = None
