@@ -8,16 +8,13 @@ samples (the second pass in reverse order: the machine's load drifts); HF runs l
 drained): an idle gap slows the next encode on this VM, so only equal gaps compare fairly:
 
 - ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with none of our parallel machinery
-  (``chunked.min_chars`` infinite, strategy ``"chunks"``): validation, guard check, one whole-text engine
+  (``chunked.min_chars`` infinite): validation, guard check, one whole-text engine
   call on the calling thread, serial: in a child process whose fastokens runs on one thread
   (:class:`ChildProcess`);
-- ``ours_par``: the same call with the shipped settings (``toktier_backend.pipeline.chunked``): the strategy the
-  tokenizer's calibration chose at ``prepare()`` (printed per file): ``chunks`` (from ``parallel.MIN_CHARS``
-  up, cut at stable cuts into tasks of the shared pool, on workers pinned to distinct CPUs while they run
-  one: fastokens, a task per ``parallel.PIECE_CHARS`` piece; gigatoken, one chunk per worker), the only
-  choice with fastokens' helper off (our default), or ``whole`` (where a user turned the helper on: from
-  ``parallel.WHOLE_PIN_MIN_CHARS`` up, one engine call with the caller and fastokens' helper thread pinned
-  to distinct CPUs);
+- ``ours_par``: the same call with the shipped settings (``toktier_backend.pipeline.chunked``): from
+  ``chunked.MIN_CHARS`` up, cut at stable cuts into tasks of the shared pool, on workers pinned to distinct
+  CPUs while they run one (fastokens: a task per ``chunked.PIECE_CHARS`` piece; gigatoken: one chunk per
+  worker);
 - ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``pipeline/chunked.py``);
 - ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k), in a
   child process of its own with fastokens' defaults (:class:`ChildProcess`);
@@ -43,8 +40,8 @@ beside ``toktier_session`` in Triton) whose pool workers run at nice 0 or nice 1
 ``ours``, ``ours_par`` and a session (``update`` then a one-char ``append``: five widenings find no cut, then
 a full encode); exact against HF at every size; the 1M/250K time ratio shows linear scaling (~4).
 
-**Tuning** (``--tune``): chunk size sweep and the whole-vs-chunked crossover, for ``parallel.CHUNK_CHARS``
-and ``parallel.MIN_CHARS``.
+**Tuning** (``--tune``): chunk size sweep and the whole-vs-chunked crossover, for ``chunked.CHUNK_CHARS``
+and ``chunked.MIN_CHARS``.
 
 Usage:
     python bench/full_encode.py --tokenizers qwen3,llama3_1,deepseek_v3,gpt2 --sizes 100000,1000000,4000000
@@ -100,8 +97,7 @@ def load_ours(path: Path, *, parallel: bool):
 
     tok = tt.load_tokenizer(path)
     if not parallel:
-        tok.chunked.min_chars = 1 << 62
-        tok.chunked.strategy = "chunks"  # (no calibration: never chunked, never pinned)
+        tok.chunked.min_chars = 1 << 62  # never chunked, never pinned
     return tok
 
 
@@ -332,13 +328,12 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
             print(f"  {k}: skipped: {why}")
         if args.chunk_chars:
             tok_p.chunked.chunk_chars = args.chunk_chars
-        tok_p.chunked.prepare()  # engine objects for the pool's workers and calibration, as serving does at load
-        print(f"  ours parallel: {tok_p.engine.name}, strategy {tok_p.chunked.strategy} ({tok_p.chunked.calibration})",
-              flush=True)
+        tok_p.chunked.prepare()  # engine objects for the pool's workers, as serving does at load
+        print(f"  ours parallel: {tok_p.engine.name}, {tok_p.chunked.pool.workers} pool workers", flush=True)
         tok_p.encode("warm up " * 40_000)  # pool threads, caches
         entry = {"path": str(path), "skipped": skipped, "sizes": {},
                  "chunk_chars": tok_p.chunked.chunk_chars, "min_chars": tok_p.chunked.min_chars,
-                 "engine": tok_p.engine.name, "calibration": tok_p.chunked.calibration,
+                 "engine": tok_p.engine.name,
                  "pool_workers": tok_p.chunked.pool.workers}
         for size in (int(x) for x in args.sizes.split(",")):
             r = run_size(systems, sample_texts(size, args.samples, folder), args.hf_samples,
@@ -594,7 +589,7 @@ def run_tune(args, shared: Path, folder: Path, results: dict) -> None:
         path = A.tokenizer_path(name, shared)
         tok = load_ours(path, parallel=False)
         tok.prefix_index = None
-        print(f"\n=== tune: {name} (p50 ms over {args.samples} samples; chunked = ChunkedEncoder.encode_body)", flush=True)
+        print(f"\n=== tune: {name} (p50 ms over {args.samples} samples; chunked = ChunkedEncoder.encode)", flush=True)
         out[name] = {}
         for size in (500_000, 1_000_000, 1_500_000, 2_000_000, 4_000_000):
             texts = sample_texts(size, args.samples, folder)
@@ -602,10 +597,11 @@ def run_tune(args, shared: Path, folder: Path, results: dict) -> None:
             for cc in (None, 262144, 524288, 1048576):  # None: one chunk per pool worker (the default)
                 if cc is not None and cc >= size:
                     continue
-                enc = ChunkedEncoder(tok, chunk_chars=cc, min_chars=0)
-                enc.encode_body(texts[0])
+                enc = ChunkedEncoder(tok.engine, reference=tok.chunked.reference, guard=tok.admission, cuts=tok.cuts,
+                                     chunk_chars=cc, min_chars=0)
+                enc.encode(texts[0])
                 label = "per worker" if cc is None else f"chunk {cc // 1024}K"
-                row[label] = A.percentile([timed(lambda t=A.fresh_str(t): enc.encode_body(t))[0] for t in texts], 50)
+                row[label] = A.percentile([timed(lambda t=A.fresh_str(t): enc.encode(t))[0] for t in texts], 50)
             out[name][str(size)] = row
             print(f"  {size:>9,}  " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     results["tune"] = out
@@ -622,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interleave", action="store_true",
                    help="fresh encodes: every sample through every system in turn (order rotated per sample), "
                         "not one system at a time")
-    p.add_argument("--chunk-chars", type=int, default=None, help="override parallel.CHUNK_CHARS for ours_par")
+    p.add_argument("--chunk-chars", type=int, default=None, help="override chunked.CHUNK_CHARS for ours_par")
     p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune")
     p.add_argument("--pathological", action="store_true", help="add the pathological section")
     p.add_argument("--patho-sizes", default="250000,1000000")

@@ -392,42 +392,4 @@ def configure_shared_pool(workers: int | None = None, *, express: int = 1, nice:
     return _shared
 
 
-_pin_lock = threading.Lock()
-
-
-def _pinned_call(fn: Callable[[], Any], helpers: list[int]) -> Any:
-    """``fn()`` with the calling thread pinned to the first CPU this process may use and ``helpers`` (native
-    thread ids: an engine's own threads) to the others, round robin; every affinity is restored after.
-
-    One call at a time is pinned (a second concurrent one runs unpinned rather than share the CPUs); an
-    ``OSError`` (a helper ended, the allowed set changed) leaves the threads as they are and ``fn`` runs
-    anyway. Why: see ``FastokensEngine.helper_threads``.
-    """
-    cpus = _allowed_cpus()
-    if len(cpus) < 2 or not helpers or not _pin_lock.acquire(blocking=False):
-        return fn()
-    try:
-        mine = os.sched_getaffinity(0)
-        try:
-            os.sched_setaffinity(0, {cpus[0]})
-            for i, tid in enumerate(helpers):
-                os.sched_setaffinity(tid, {cpus[1 + i % (len(cpus) - 1)]})
-        except OSError as e:
-            log.debug("cannot pin an encode and its engine's threads (%s); running unpinned", e)
-        try:
-            return fn()
-        finally:
-            for tid in helpers:
-                try:
-                    os.sched_setaffinity(tid, cpus)
-                except OSError:  # the thread ended
-                    pass
-            try:
-                os.sched_setaffinity(0, mine)
-            except OSError:  # pragma: no cover - the allowed set shrank meanwhile: take what is allowed now
-                os.sched_setaffinity(0, _allowed_cpus() or cpus)
-    finally:
-        _pin_lock.release()
-
-
 __all__ = ["CHUNK", "REPAIR", "CpuPool", "configure_shared_pool", "default_workers", "shared_pool"]
