@@ -164,6 +164,8 @@ class Tokenizer:
             PrefixIndex(self.cuts, spec.token_nbytes, spec.normalized_nbytes)
             if self.cuts.supported and spec.token_nbytes is not None else None
         )
+        if self.prefix_index is not None:  # its background inserts wait while a chunked encode runs
+            self.prefix_index.yield_to = lambda timeout: self.chunked.pool.wait_chunks_idle(timeout)
         #: Quarantined fast routes (``FAST_ROUTES`` names -> reason): requests that would take one are served
         #: by the reference on the whole text. Set by the shadow verifier, cleared by an operator.
         self.quarantined: dict[str, str] = {}

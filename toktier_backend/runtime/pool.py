@@ -85,10 +85,9 @@ class CpuPool:
         window: how many recent tasks per priority :meth:`stats` computes percentiles over.
         pin: while a general worker runs a :data:`CHUNK` task, pin it to a CPU of its own (worker ``i`` to the
             ``i``-th CPU this process may use, modulo their number; Linux ``sched_setaffinity`` on the thread),
-            and give it back the whole set after. Why: on this 2-core VM (Linux 6.18) the scheduler, waking
-            two chunk workers from a busy thread, put both on one core in most runs and kept them there for
-            most of a 4M-char encode (two 2M-char chunks: 17.5 ms p50 unpinned vs 13.4 ms pinned, the same
-            CPU time, n=24). Repairs are never pinned. Off where the process may use one CPU or there is no
+            and give it back the whole set after. Why: the scheduler, waking two chunk workers from a busy
+            thread, may put both on one core and keep them there for most of a long encode
+            (``docs/design/parallel.md``). Repairs are never pinned. Off where the process may use one CPU or there is no
             ``sched_setaffinity``; an ``OSError`` (the allowed set changed) leaves the worker unpinned. A
             thread started inside a pinned task inherits the pin, so chunk tasks must start none (gigatoken's
             ``encode_batch_padded(parallel=False)`` starts none; a Rust pool created lazily there, as
@@ -128,6 +127,10 @@ class CpuPool:
         #: Tasks running now (on workers, or on a worker's behalf by a helping caller, or inline repairs).
         self.in_flight = 0
         self._repairs_running = 0
+        #: Set while no CHUNK task is queued or running (:meth:`wait_chunks_idle`).
+        self._chunks_active = 0
+        self._chunks_idle = threading.Event()
+        self._chunks_idle.set()
         self.submitted = {REPAIR: 0, CHUNK: 0}
         self.completed = {REPAIR: 0, CHUNK: 0}
         self._wait_sum_ms = {REPAIR: 0.0, CHUNK: 0.0}
@@ -154,6 +157,9 @@ class CpuPool:
                 raise RuntimeError(f"pool {self.name!r} is shut down")
             heapq.heappush(self._heap, (key, next(self._seq), task))
             self._queued[task.priority] += 1
+            if task.priority == CHUNK:
+                self._chunks_active += 1
+                self._chunks_idle.clear()
             self.submitted[task.priority] += 1
             if not self._threads:
                 for i in range(self.workers + self.express):
@@ -169,8 +175,8 @@ class CpuPool:
 
         A :data:`REPAIR` runs at once on the calling thread (not in a FIFO pool), counted in :meth:`stats`
         with a wait of 0 and seen by :attr:`repairs_active` (chunk conversions yield the GIL to it): the
-        caller's thread is already running, and handing the repair to a pool thread cost a wake-up and two
-        GIL hand-offs (mixed load, 2 cores, 4M-char encodes: repair p50 0.45 -> 0.24 ms, p90 3.05 -> 0.57).
+        caller's thread is already running, and handing the repair to a pool thread costs a wake-up and two
+        GIL hand-offs (``docs/design/parallel.md``).
         In a FIFO pool, and for :data:`CHUNK`, it is queued like :meth:`submit`. Called from a pool worker it
         runs inline: the caller already holds a worker.
         """
@@ -185,6 +191,12 @@ class CpuPool:
         """Repairs queued or running now (inline ones included). A chunked encode's UTF-8 conversion checks
         it between pieces and releases the GIL while it is non-zero (``ChunkedEncoder``)."""
         return self._queued[REPAIR] + self._repairs_running
+
+    def wait_chunks_idle(self, timeout: float | None = None) -> bool:
+        """Block until no :data:`CHUNK` task is queued or running (at most ``timeout`` seconds); ``True``
+        if none is. Background work that would take a core and GIL turns from a chunked encode's pinned
+        workers (the prefix index's inserts, ``pipeline/prefix_index.py``) waits here between steps."""
+        return self._chunks_idle.wait(timeout)
 
     def _run_inline(self, fn: Callable[..., Any], args: tuple) -> Any:
         with self._cv:
@@ -312,6 +324,10 @@ class CpuPool:
             self._wait_max_ms[p] = max(self._wait_max_ms[p], wait_ms)
             self._waits[p].append(wait_ms)
             self._runs[p].append(run_ms)
+            if p == CHUNK:
+                self._chunks_active -= 1
+                if not self._chunks_active:
+                    self._chunks_idle.set()
         if task.future.cancelled():
             return
         if exc is not None:
