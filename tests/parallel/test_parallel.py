@@ -630,3 +630,80 @@ def test_lone_surrogate_on_every_route_is_invalid_request(corpus_text, monkeypat
     tok.quarantine("full", "test")
     with pytest.raises(tt.InvalidRequest, match="lone surrogate"):
         tok.encode(base[:30_000] + "\ud800" + base[30_000:])
+
+
+def test_run_on_each_worker_runs_once_on_every_worker():
+    p = CpuPool(3, express=1, name="test-each")
+    try:
+        names = p.run_on_each_worker(lambda: threading.current_thread().name)
+        assert sorted(names) == [f"test-each-worker-{i}" for i in range(3)]
+        with pytest.raises(RuntimeError, match="from one of its workers"):
+            p.call(lambda: p.run_on_each_worker(lambda: None), priority=CHUNK)
+    finally:
+        p.shutdown()
+
+
+def test_prepare_warms_the_engine_on_every_pool_worker_once_per_pool():
+    """An engine's first call on a thread builds per-thread state; ``prepare`` makes that call on each worker
+    (``docs/design/parallel.md``): every worker encodes once, a new pool is warmed again, and the ids of a
+    chunked encode afterwards still equal HF's."""
+    tok = load("qwen3")
+    seen: list[str] = []
+
+    class Recording(SpyEngine):
+        def encode(self, text):
+            seen.append(threading.current_thread().name)
+            return super().encode(text)
+
+    p = CpuPool(2, name="test-warm")
+    try:
+        enc = make(tok, p, engine=Recording(tok.engine), min_chars=0)
+        enc.prepare()
+        assert sorted(seen) == ["test-warm-worker-0", "test-warm-worker-1"]
+        text = corpus.long_session_text(600_000)
+        assert enc.encode(text)[0].tolist() == hf_ids("qwen3", text)
+        assert len(seen) == 2 + enc.stats["chunks"]  # no second warm-up for the same pool
+        p2 = CpuPool(2, name="test-warm2")
+        enc.pool = p2
+        seen.clear()
+        enc.encode(text)
+        assert sorted(seen[:2]) == ["test-warm2-worker-0", "test-warm2-worker-1"]
+        p2.shutdown()
+    finally:
+        p.shutdown()
+
+
+def test_prefix_indexer_waits_while_chunks_run_and_lookups_do_not_wait_for_it(corpus_texts, monkeypatch):
+    """The background indexer calls ``yield_to`` before each chunk (the tokenizer passes its pool's
+    ``wait_chunks_idle``): while a chunk task runs, no chunk of a queued insert is hashed; once the pool is
+    idle the insert completes, and its chain serves a later lookup exactly."""
+    from toktier_backend.pipeline import prefix_index
+
+    monkeypatch.setattr(prefix_index, "YIELD_S", 30.0)  # (shipped: at most 50 ms per chunk)
+    tok = tt.load_tokenizer(tokenizer_path("qwen3"))
+    idx = tok.prefix_index
+    p = CpuPool(1, name="test-yield")
+    tok.chunked.pool = p
+    hashed: list[bool] = []
+    real = idx.digest
+    idx.digest = lambda parent, chunk: hashed.append(p.wait_chunks_idle(0)) or real(parent, chunk)
+    gate = threading.Event()
+    try:
+        blocker = p.submit(gate.wait, 10, priority=CHUNK)  # a chunk task "runs"
+        text = "".join(corpus_texts)[:200_000]
+        body, _ = tok.encode_fresh(text)
+        assert not p.wait_chunks_idle(0)
+        time.sleep(0.2)
+        assert hashed == []  # the indexer waits
+        t0 = time.perf_counter()
+        assert idx.lookup(text + "x") is None  # not indexed yet, and the lookup did not wait on the insert
+        assert time.perf_counter() - t0 < 0.05
+        gate.set()
+        blocker.result(timeout=10)
+        idx.drain()
+        assert hashed and all(hashed)  # every chunk hashed with no chunk task queued or running
+        hit = idx.lookup(text + " more")
+        assert hit is not None and hit.ids.tolist() == hf_ids("qwen3", text[:hit.cut])
+    finally:
+        gate.set()
+        p.shutdown()

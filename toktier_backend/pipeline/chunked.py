@@ -64,6 +64,8 @@ PIECE_CHARS = 256 * 1024
 #: merges two chunks, and the search stays O(chunks * SEARCH_CHARS) instead of O(len(text)) on text with
 #: no cut.
 SEARCH_CHARS = 1024
+#: Chars of sample text each pool worker encodes in :meth:`ChunkedEncoder.prepare` (one piece).
+WARM_CHARS = PIECE_CHARS
 
 
 class ChunkedEncoder:
@@ -105,7 +107,7 @@ class ChunkedEncoder:
         self.chunk_chars = None if chunk_chars is None else int(chunk_chars)
         self.min_chars = int(min_chars)
         self.search_chars = int(search_chars)
-        self._prepared = False
+        self._prepared: CpuPool | None = None  # the pool prepare() last warmed
         self.stats = {"encodes": 0, "chunks": 0, "reference_chunks": 0, "engine_errors": 0}
         self._stats_lock = threading.Lock()
 
@@ -118,12 +120,29 @@ class ChunkedEncoder:
         self._pool = pool
 
     def prepare(self) -> None:
-        """Load what parallel chunks need, once: ``engine.reserve(workers + 1)``, room for every pool worker
-        and the calling thread (gigatoken loads one Rust object per concurrent caller; 0.1-0.8 s each).
-        Serving calls it at model load; otherwise the first chunked encode does."""
-        if self.available:
-            self.engine.reserve(self.pool.workers + 1)
-        self._prepared = True
+        """Make the first chunked encode as fast as the next ones, once per pool: ``engine.reserve(workers +
+        1)`` (room for every pool worker and the calling thread; gigatoken loads one Rust object per
+        concurrent caller, 0.1-0.8 s each), then one encode of :data:`WARM_CHARS` chars of the bundled
+        sample sessions on every pool worker at once (``CpuPool.run_on_each_worker``): an engine's first
+        call on a thread builds per-thread state (fastokens: a cold first piece took several times a warm
+        one, ``docs/design/parallel.md``), which a request would otherwise pay. Serving calls it at model
+        load; otherwise the first chunked encode does (called from a pool worker, it only reserves). A
+        failed warm-up is logged, never raised: it only costs the first request time."""
+        pool = self.pool
+        if not self.available:
+            self._prepared = pool
+            return
+        self.engine.reserve(pool.workers + 1)
+        if pool.in_worker():  # (the warm-up would wait for this worker: a later call from outside does it)
+            return
+        from toktier_backend.corpus import long_session_text
+
+        warm = long_session_text(WARM_CHARS)
+        try:
+            pool.run_on_each_worker(lambda: self.engine.encode(warm))
+        except Exception as e:  # (an optimisation only)
+            log.warning("engine %s: warm-up on the pool's workers failed (%s)", self.engine.name, e)
+        self._prepared = pool
 
     @property
     def available(self) -> bool:
@@ -192,7 +211,7 @@ class ChunkedEncoder:
         if not self.wants(text, start):
             ids, ref = self._encode_chunk(text, (start, len(text)))
             return ids, "hf" if ref else name
-        if not self._prepared:
+        if self._prepared is not self.pool:  # (a new pool has new, cold threads)
             self.prepare()
         b = self.bounds(text, start)
         spans = list(zip(b[:-1], b[1:]))

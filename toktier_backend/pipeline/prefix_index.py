@@ -239,7 +239,11 @@ class PrefixIndex:
         return self._insert(text, body_ids, after, background=False)
 
     def _insert(self, text: str, body_ids: np.ndarray, after: PrefixHit | None, *, background: bool) -> int:
-        """:meth:`insert`; ``background`` (the indexer thread): wait for :attr:`yield_to` before each chunk."""
+        """:meth:`insert`; ``background`` (the indexer thread): wait for :attr:`yield_to` first and before
+        each chunk."""
+        pause = self.yield_to if background else None
+        if pause is not None:
+            pause(YIELD_S)
         key, start, parent, tok = b"", 0, None, 0
         if after is not None:
             key, start, parent, tok = after.node.key, after.cut, after.node, after.n_tokens
@@ -250,8 +254,8 @@ class PrefixIndex:
         plan: list[tuple[bytes, int, int, np.ndarray]] = []  # (digest, start, end, ids) per chunk
         s, t = start, tok
         for c in cuts:
-            if background and self.yield_to is not None:
-                self.yield_to(YIELD_S)
+            if pause is not None:
+                pause(YIELD_S)
             chunk = text[s:c]
             nb += self.normalized_nbytes(chunk)
             end_tok = int(np.searchsorted(tail_ends, np.int64(nb), side="right"))

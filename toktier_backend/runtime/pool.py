@@ -231,6 +231,26 @@ class CpuPool:
                     self._run(task, helped=True)
         return [t.future.result() for t in tasks]
 
+    def run_on_each_worker(self, fn: Callable[[], Any], *, timeout: float = 30.0) -> list:
+        """``fn()`` once on every general worker thread, all at once (each task waits at a barrier until
+        every worker holds one, so no worker takes two), as :data:`CHUNK` tasks (pinned where the pool pins);
+        results in task order. For per-thread warm-up at load (``ChunkedEncoder.prepare``).
+
+        Raises:
+            RuntimeError: called from one of this pool's workers (it would wait for itself).
+            threading.BrokenBarrierError: the workers were not all free within ``timeout`` seconds.
+            Whatever ``fn`` raises.
+        """
+        if self.in_worker():
+            raise RuntimeError(f"pool {self.name!r}: run_on_each_worker called from one of its workers")
+        barrier = threading.Barrier(self.workers)
+
+        def task():
+            barrier.wait(timeout)
+            return fn()
+
+        return [f.result() for f in [self.submit(task, priority=CHUNK) for _ in range(self.workers)]]
+
     def in_worker(self) -> bool:
         """Is the calling thread one of this pool's workers?"""
         return getattr(self._local, "worker", False)
