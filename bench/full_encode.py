@@ -274,6 +274,11 @@ def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> di
                 print(f"  MISMATCH {name} vs {against}: sample {k} ({len(texts[k])} chars): first diff at id {at}",
                       flush=True)
     out = {name: dict(summary(v), checked=checked[name], mismatches=bad[name]) for name, v in ms.items() if v}
+    if not INTERLEAVE:  # each system's first call after another system ran (one per pass)
+        half = (len(texts) + 1) // 2
+        for name in fast:
+            if name in out:
+                out[name]["first_of_pass_ms"] = [ms[name][i] for i in (0, half) if i < len(ms[name])]
     if chunks:
         out["ours_par"]["chunks_p50"] = A.percentile(chunks, 50)
         out["ours_par"]["chunks"] = chunks
@@ -295,6 +300,10 @@ def print_size(name: str, size: int, r: dict) -> dict:
         extra = f"  ({v['chunks_p50']:.0f} chunks)" if "chunks_p50" in v else ""
         print(f"  {LABELS[key]:<16} {v['n']:>3} {v['p50_ms']:>9.2f} {v['p90_ms']:>9.2f} {ratio}  {exact}{extra}",
               flush=True)
+    firsts = {k: v["first_of_pass_ms"] for k, v in r.items() if v.get("first_of_pass_ms")}
+    if firsts:
+        print("  first call of each pass, ms: " + ", ".join(
+            f"{LABELS[k]} {' / '.join(f'{x:.2f}' for x in v)}" for k, v in firsts.items()), flush=True)
     anchors = {k: v["p50_ms"] for k, v in r.items()
                if k not in ("ours", "ours_par") and v["checked"] and not v["mismatches"] or k == "hf"}
     ratios = {}
