@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Callable
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -165,7 +166,7 @@ class Tokenizer:
             if self.cuts.supported and spec.token_nbytes is not None else None
         )
         if self.prefix_index is not None:  # its background inserts wait while a chunked encode runs
-            self.prefix_index.yield_to = lambda timeout: self.chunked.pool.wait_chunks_idle(timeout)
+            self.prefix_index.yield_to = self._chunks_idle_waiter(self.chunked)
         #: Quarantined fast routes (``FAST_ROUTES`` names -> reason): requests that would take one are served
         #: by the reference on the whole text. Set by the shadow verifier, cleared by an operator.
         self.quarantined: dict[str, str] = {}
@@ -187,6 +188,18 @@ class Tokenizer:
     @admission.setter
     def admission(self, admission: Admission) -> None:
         self._admission = self.chunked.guard = admission
+
+    @staticmethod
+    def _chunks_idle_waiter(chunked: ChunkedEncoder) -> Callable[[float], bool]:
+        """``(timeout_s) -> bool``: wait until ``chunked``'s current pool runs no chunk task. Holds ``chunked``
+        weakly: the indexer's thread lives as long as the process, the tokenizer need not."""
+        ref = weakref.ref(chunked)
+
+        def wait(timeout: float) -> bool:
+            ch = ref()
+            return True if ch is None else ch.pool.wait_chunks_idle(timeout)
+
+        return wait
 
     # ------------------------------------------------------------------ construction
     def _choose_engine(self, wanted: str) -> tuple[Engine, Admission]:
