@@ -108,6 +108,7 @@ class ChunkedEncoder:
         self.min_chars = int(min_chars)
         self.search_chars = int(search_chars)
         self._prepared: CpuPool | None = None  # the pool prepare() last warmed
+        self._prepare_lock = threading.Lock()
         self.stats = {"encodes": 0, "chunks": 0, "reference_chunks": 0, "engine_errors": 0}
         self._stats_lock = threading.Lock()
 
@@ -135,14 +136,17 @@ class ChunkedEncoder:
         self.engine.reserve(pool.workers + 1)
         if pool.in_worker():  # (the warm-up would wait for this worker: a later call from outside does it)
             return
-        from toktier_backend.corpus import long_session_text
+        with self._prepare_lock:  # (concurrent first requests: one warm-up)
+            if self._prepared is pool:
+                return
+            from toktier_backend.corpus import long_session_text
 
-        warm = long_session_text(WARM_CHARS)
-        try:
-            pool.run_on_each_worker(lambda: self.engine.encode(warm))
-        except Exception as e:  # (an optimisation only)
-            log.warning("engine %s: warm-up on the pool's workers failed (%s)", self.engine.name, e)
-        self._prepared = pool
+            warm = long_session_text(WARM_CHARS)
+            try:
+                pool.run_on_each_worker(lambda: self.engine.encode(warm))
+            except Exception as e:  # (an optimisation only)
+                log.warning("engine %s: warm-up on the pool's workers failed (%s)", self.engine.name, e)
+            self._prepared = pool
 
     @property
     def available(self) -> bool:

@@ -114,6 +114,7 @@ class CpuPool:
         self._cpus = _allowed_cpus() if pin else []
         self.pin = len(self._cpus) > 1 and self.workers > 1
         self._lock = threading.Lock()
+        self._each_lock = threading.Lock()  # run_on_each_worker
         self._cv = threading.Condition(self._lock)  # general workers wait here
         self._cv_express = threading.Condition(self._lock)  # express threads wait here
         self._idle_express = 0
@@ -249,7 +250,8 @@ class CpuPool:
             barrier.wait(timeout)
             return fn()
 
-        return [f.result() for f in [self.submit(task, priority=CHUNK) for _ in range(self.workers)]]
+        with self._each_lock:  # one set at a time: two interleaved sets would each hold a worker at a barrier
+            return [f.result() for f in [self.submit(task, priority=CHUNK) for _ in range(self.workers)]]
 
     def in_worker(self) -> bool:
         """Is the calling thread one of this pool's workers?"""
