@@ -40,6 +40,10 @@ beside ``toktier_session`` in Triton) whose pool workers run at nice 0 or nice 1
 ``ours``, ``ours_par`` and a session (``update`` then a one-char ``append``: five widenings find no cut, then
 a full encode); exact against HF at every size; the 1M/250K time ratio shows linear scaling (~4).
 
+**First calls on a thread** (``--only threads``): an engine's first call on a new thread vs its next ones,
+with and without a warm-up encode on the thread first (why ``ChunkedEncoder.prepare`` warms every pool
+worker).
+
 **Tuning** (``--tune``): chunk size sweep and the whole-vs-chunked crossover, for ``chunked.CHUNK_CHARS``
 and ``chunked.MIN_CHARS``.
 
@@ -47,6 +51,7 @@ Usage:
     python bench/full_encode.py --tokenizers qwen3,llama3_1,deepseek_v3,gpt2 --sizes 100000,1000000,4000000
     python bench/full_encode.py --only mixed --mixed-processes
     python bench/full_encode.py --only pathological --tokenizers qwen3,gpt2,gemma3
+    python bench/full_encode.py --only threads --tokenizers qwen3,llama3_1 --samples 8
 """
 
 from __future__ import annotations
@@ -616,6 +621,60 @@ def run_tune(args, shared: Path, folder: Path, results: dict) -> None:
     results["tune"] = out
 
 
+# -- first calls on a thread ----------------------------------------------------------------------------
+
+def run_threads(args, shared: Path, folder: Path, results: dict) -> int:
+    """An engine's first call on a new thread vs its next ones (why ``ChunkedEncoder.prepare`` warms every
+    pool worker): our engine, warmed on this thread, then ``--samples`` new threads, each encoding three
+    ``PIECE_CHARS`` pieces of the corpus (a fresh ``str`` each); and the same with a ``WARM_CHARS`` warm-up
+    encode on the thread first. Exact against HF on each piece."""
+    import tokenizers
+
+    import toktier_backend as tt
+    from toktier_backend.pipeline.chunked import PIECE_CHARS, WARM_CHARS
+
+    bad, out = 0, {}
+    text = sample_texts(4 * PIECE_CHARS, 1, folder)[0]
+    pieces = [text[i * PIECE_CHARS:(i + 1) * PIECE_CHARS] for i in range(3)]
+    warm = text[3 * PIECE_CHARS:3 * PIECE_CHARS + WARM_CHARS]
+    for name in args.tokenizers.split(","):
+        path = A.tokenizer_path(name, shared)
+        eng = tt.load_tokenizer(path).engine
+        ref = tokenizers.Tokenizer.from_file(str(path))
+        want = [ref.encode(p, add_special_tokens=False).ids for p in pieces]
+        eng.encode(A.fresh_str(warm))
+        rows = {"cold": [], "warmed": []}
+        for k in range(2 * args.samples):
+            kind = ("cold", "warmed")[k % 2]
+            ms: list[float] = []
+
+            def run():
+                if kind == "warmed":
+                    eng.encode(A.fresh_str(warm))
+                for p, w in zip(pieces, want):
+                    t, ids = A.timed(lambda p=A.fresh_str(p): eng.encode(p))  # (no gc.collect: it evicts the caches)
+                    ms.append(t)
+                    if np.asarray(ids).tolist() != w:
+                        ms.append(float("nan"))
+
+            th = threading.Thread(target=run)
+            th.start()
+            th.join()
+            bad += sum(1 for x in ms if x != x)
+            rows[kind].append([x for x in ms if x == x])
+        entry = {}
+        print(f"\n{name} ({eng.name}): {PIECE_CHARS // 1024}K-char pieces on new threads, ms (n={args.samples})")
+        for kind, calls in rows.items():
+            first = [c[0] for c in calls]
+            later = [x for c in calls for x in c[1:]]
+            entry[kind] = {"first": summary(first), "later": summary(later)}
+            print(f"  {kind:<7} first call p50 {A.percentile(first, 50):.2f} p90 {A.percentile(first, 90):.2f}   "
+                  f"later calls p50 {A.percentile(later, 50):.2f} p90 {A.percentile(later, 90):.2f}", flush=True)
+        out[name] = entry
+    results["threads"] = out
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizers", default="qwen3,llama3_1,deepseek_v3,gpt2")
@@ -628,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="fresh encodes: every sample through every system in turn (order rotated per sample), "
                         "not one system at a time")
     p.add_argument("--chunk-chars", type=int, default=None, help="override chunked.CHUNK_CHARS for ours_par")
-    p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune")
+    p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune, threads")
     p.add_argument("--pathological", action="store_true", help="add the pathological section")
     p.add_argument("--patho-sizes", default="250000,1000000")
     p.add_argument("--patho-repeats", type=int, default=3, help="runs per size (n, n+1, ...): p50 reported")
@@ -677,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
         bad += run_pathological(args, shared, results)
     if "tune" in sections:
         run_tune(args, shared, folder, results)
+    if "threads" in sections:
+        bad += run_threads(args, shared, folder, results)
     results["wall_s"] = time.perf_counter() - t0
     results["machine"]["loadavg_end"] = os.getloadavg()
     name = "full_encode.json" if sections == {"fresh", "mixed"} else f"full_encode-{'-'.join(sorted(sections))}.json"
