@@ -8,16 +8,13 @@ samples (the second pass in reverse order: the machine's load drifts); HF runs l
 drained): an idle gap slows the next encode on this VM, so only equal gaps compare fairly:
 
 - ``ours``: ``Tokenizer.encode(text, add_special_tokens=False)`` with none of our parallel machinery
-  (``chunked.min_chars`` infinite, strategy ``"chunks"``): validation, guard check, one whole-text engine
+  (``chunked.min_chars`` infinite): validation, guard check, one whole-text engine
   call on the calling thread, serial: in a child process whose fastokens runs on one thread
   (:class:`ChildProcess`);
-- ``ours_par``: the same call with the shipped settings (``toktier_backend.pipeline.chunked``): the strategy the
-  tokenizer's calibration chose at ``prepare()`` (printed per file): ``chunks`` (from ``parallel.MIN_CHARS``
-  up, cut at stable cuts into tasks of the shared pool, on workers pinned to distinct CPUs while they run
-  one: fastokens, a task per ``parallel.PIECE_CHARS`` piece; gigatoken, one chunk per worker), the only
-  choice with fastokens' helper off (our default), or ``whole`` (where a user turned the helper on: from
-  ``parallel.WHOLE_PIN_MIN_CHARS`` up, one engine call with the caller and fastokens' helper thread pinned
-  to distinct CPUs);
+- ``ours_par``: the same call with the shipped settings (``toktier_backend.pipeline.chunked``): from
+  ``chunked.MIN_CHARS`` up, cut at stable cuts into tasks of the shared pool, on workers pinned to distinct
+  CPUs while they run one (fastokens: a task per ``chunked.PIECE_CHARS`` piece; gigatoken: one chunk per
+  worker);
 - ``gigatoken``: ``gigatoken.Tokenizer.encode`` (whole text; serial in 0.10.0, see ``pipeline/chunked.py``);
 - ``fastokens``: ``encode_batch_flat([text])``, segment cache off (unsupported for cl100k/o200k), in a
   child process of its own with fastokens' defaults (:class:`ChildProcess`);
@@ -43,13 +40,18 @@ beside ``toktier_session`` in Triton) whose pool workers run at nice 0 or nice 1
 ``ours``, ``ours_par`` and a session (``update`` then a one-char ``append``: five widenings find no cut, then
 a full encode); exact against HF at every size; the 1M/250K time ratio shows linear scaling (~4).
 
-**Tuning** (``--tune``): chunk size sweep and the whole-vs-chunked crossover, for ``parallel.CHUNK_CHARS``
-and ``parallel.MIN_CHARS``.
+**First calls on a thread** (``--only threads``): an engine's first call on a new thread vs its next ones,
+with and without a warm-up encode on the thread first (why ``ChunkedEncoder.prepare`` warms every pool
+worker).
+
+**Tuning** (``--tune``): chunk size sweep and the whole-vs-chunked crossover, for ``chunked.CHUNK_CHARS``
+and ``chunked.MIN_CHARS``.
 
 Usage:
     python bench/full_encode.py --tokenizers qwen3,llama3_1,deepseek_v3,gpt2 --sizes 100000,1000000,4000000
     python bench/full_encode.py --only mixed --mixed-processes
     python bench/full_encode.py --only pathological --tokenizers qwen3,gpt2,gemma3
+    python bench/full_encode.py --only threads --tokenizers qwen3,llama3_1 --samples 8
 """
 
 from __future__ import annotations
@@ -100,8 +102,7 @@ def load_ours(path: Path, *, parallel: bool):
 
     tok = tt.load_tokenizer(path)
     if not parallel:
-        tok.chunked.min_chars = 1 << 62
-        tok.chunked.strategy = "chunks"  # (no calibration: never chunked, never pinned)
+        tok.chunked.min_chars = 1 << 62  # never chunked, never pinned
     return tok
 
 
@@ -278,6 +279,11 @@ def run_size(systems: dict, texts: list[str], hf_samples: int, toks: dict) -> di
                 print(f"  MISMATCH {name} vs {against}: sample {k} ({len(texts[k])} chars): first diff at id {at}",
                       flush=True)
     out = {name: dict(summary(v), checked=checked[name], mismatches=bad[name]) for name, v in ms.items() if v}
+    if not INTERLEAVE:  # each system's first call after another system ran (one per pass)
+        half = (len(texts) + 1) // 2
+        for name in fast:
+            if name in out:
+                out[name]["first_of_pass_ms"] = [ms[name][i] for i in (0, half) if i < len(ms[name])]
     if chunks:
         out["ours_par"]["chunks_p50"] = A.percentile(chunks, 50)
         out["ours_par"]["chunks"] = chunks
@@ -299,6 +305,10 @@ def print_size(name: str, size: int, r: dict) -> dict:
         extra = f"  ({v['chunks_p50']:.0f} chunks)" if "chunks_p50" in v else ""
         print(f"  {LABELS[key]:<16} {v['n']:>3} {v['p50_ms']:>9.2f} {v['p90_ms']:>9.2f} {ratio}  {exact}{extra}",
               flush=True)
+    firsts = {k: v["first_of_pass_ms"] for k, v in r.items() if v.get("first_of_pass_ms")}
+    if firsts:
+        print("  first call of each pass, ms: " + ", ".join(
+            f"{LABELS[k]} {' / '.join(f'{x:.2f}' for x in v)}" for k, v in firsts.items()), flush=True)
     anchors = {k: v["p50_ms"] for k, v in r.items()
                if k not in ("ours", "ours_par") and v["checked"] and not v["mismatches"] or k == "hf"}
     ratios = {}
@@ -332,13 +342,12 @@ def run_fresh(args, shared: Path, folder: Path, results: dict) -> int:
             print(f"  {k}: skipped: {why}")
         if args.chunk_chars:
             tok_p.chunked.chunk_chars = args.chunk_chars
-        tok_p.chunked.prepare()  # engine objects for the pool's workers and calibration, as serving does at load
-        print(f"  ours parallel: {tok_p.engine.name}, strategy {tok_p.chunked.strategy} ({tok_p.chunked.calibration})",
-              flush=True)
+        tok_p.chunked.prepare()  # engine objects for the pool's workers, as serving does at load
+        print(f"  ours parallel: {tok_p.engine.name}, {tok_p.chunked.pool.workers} pool workers", flush=True)
         tok_p.encode("warm up " * 40_000)  # pool threads, caches
         entry = {"path": str(path), "skipped": skipped, "sizes": {},
                  "chunk_chars": tok_p.chunked.chunk_chars, "min_chars": tok_p.chunked.min_chars,
-                 "engine": tok_p.engine.name, "calibration": tok_p.chunked.calibration,
+                 "engine": tok_p.engine.name,
                  "pool_workers": tok_p.chunked.pool.workers}
         for size in (int(x) for x in args.sizes.split(",")):
             r = run_size(systems, sample_texts(size, args.samples, folder), args.hf_samples,
@@ -594,7 +603,7 @@ def run_tune(args, shared: Path, folder: Path, results: dict) -> None:
         path = A.tokenizer_path(name, shared)
         tok = load_ours(path, parallel=False)
         tok.prefix_index = None
-        print(f"\n=== tune: {name} (p50 ms over {args.samples} samples; chunked = ChunkedEncoder.encode_body)", flush=True)
+        print(f"\n=== tune: {name} (p50 ms over {args.samples} samples; chunked = ChunkedEncoder.encode)", flush=True)
         out[name] = {}
         for size in (500_000, 1_000_000, 1_500_000, 2_000_000, 4_000_000):
             texts = sample_texts(size, args.samples, folder)
@@ -602,13 +611,68 @@ def run_tune(args, shared: Path, folder: Path, results: dict) -> None:
             for cc in (None, 262144, 524288, 1048576):  # None: one chunk per pool worker (the default)
                 if cc is not None and cc >= size:
                     continue
-                enc = ChunkedEncoder(tok, chunk_chars=cc, min_chars=0)
-                enc.encode_body(texts[0])
+                enc = ChunkedEncoder(tok.engine, reference=tok.chunked.reference, guard=tok.admission, cuts=tok.cuts,
+                                     chunk_chars=cc, min_chars=0)
+                enc.encode(texts[0])
                 label = "per worker" if cc is None else f"chunk {cc // 1024}K"
-                row[label] = A.percentile([timed(lambda t=A.fresh_str(t): enc.encode_body(t))[0] for t in texts], 50)
+                row[label] = A.percentile([timed(lambda t=A.fresh_str(t): enc.encode(t))[0] for t in texts], 50)
             out[name][str(size)] = row
             print(f"  {size:>9,}  " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     results["tune"] = out
+
+
+# -- first calls on a thread ----------------------------------------------------------------------------
+
+def run_threads(args, shared: Path, folder: Path, results: dict) -> int:
+    """An engine's first call on a new thread vs its next ones (why ``ChunkedEncoder.prepare`` warms every
+    pool worker): our engine, warmed on this thread, then ``--samples`` new threads, each encoding three
+    ``PIECE_CHARS`` pieces of the corpus (a fresh ``str`` each); and the same with a ``WARM_CHARS`` warm-up
+    encode on the thread first. Exact against HF on each piece."""
+    import tokenizers
+
+    import toktier_backend as tt
+    from toktier_backend.pipeline.chunked import PIECE_CHARS, WARM_CHARS
+
+    bad, out = 0, {}
+    text = sample_texts(4 * PIECE_CHARS, 1, folder)[0]
+    pieces = [text[i * PIECE_CHARS:(i + 1) * PIECE_CHARS] for i in range(3)]
+    warm = text[3 * PIECE_CHARS:3 * PIECE_CHARS + WARM_CHARS]
+    for name in args.tokenizers.split(","):
+        path = A.tokenizer_path(name, shared)
+        eng = tt.load_tokenizer(path).engine
+        ref = tokenizers.Tokenizer.from_file(str(path))
+        want = [ref.encode(p, add_special_tokens=False).ids for p in pieces]
+        eng.encode(A.fresh_str(warm))
+        rows = {"cold": [], "warmed": []}
+        for k in range(2 * args.samples):
+            kind = ("cold", "warmed")[k % 2]
+            ms: list[float] = []
+
+            def run():
+                if kind == "warmed":
+                    eng.encode(A.fresh_str(warm))
+                for p, w in zip(pieces, want):
+                    t, ids = A.timed(lambda p=A.fresh_str(p): eng.encode(p))  # (no gc.collect: it evicts the caches)
+                    ms.append(t)
+                    if np.asarray(ids).tolist() != w:
+                        ms.append(float("nan"))
+
+            th = threading.Thread(target=run)
+            th.start()
+            th.join()
+            bad += sum(1 for x in ms if x != x)
+            rows[kind].append([x for x in ms if x == x])
+        entry = {}
+        print(f"\n{name} ({eng.name}): {PIECE_CHARS // 1024}K-char pieces on new threads, ms (n={args.samples})")
+        for kind, calls in rows.items():
+            first = [c[0] for c in calls]
+            later = [x for c in calls for x in c[1:]]
+            entry[kind] = {"first": summary(first), "later": summary(later)}
+            print(f"  {kind:<7} first call p50 {A.percentile(first, 50):.2f} p90 {A.percentile(first, 90):.2f}   "
+                  f"later calls p50 {A.percentile(later, 50):.2f} p90 {A.percentile(later, 90):.2f}", flush=True)
+        out[name] = entry
+    results["threads"] = out
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -622,8 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interleave", action="store_true",
                    help="fresh encodes: every sample through every system in turn (order rotated per sample), "
                         "not one system at a time")
-    p.add_argument("--chunk-chars", type=int, default=None, help="override parallel.CHUNK_CHARS for ours_par")
-    p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune")
+    p.add_argument("--chunk-chars", type=int, default=None, help="override chunked.CHUNK_CHARS for ours_par")
+    p.add_argument("--only", default="fresh,mixed", help="sections: fresh, mixed, pathological, tune, threads")
     p.add_argument("--pathological", action="store_true", help="add the pathological section")
     p.add_argument("--patho-sizes", default="250000,1000000")
     p.add_argument("--patho-repeats", type=int, default=3, help="runs per size (n, n+1, ...): p50 reported")
@@ -672,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
         bad += run_pathological(args, shared, results)
     if "tune" in sections:
         run_tune(args, shared, folder, results)
+    if "threads" in sections:
+        bad += run_threads(args, shared, folder, results)
     results["wall_s"] = time.perf_counter() - t0
     results["machine"]["loadavg_end"] = os.getloadavg()
     name = "full_encode.json" if sections == {"fresh", "mixed"} else f"full_encode-{'-'.join(sorted(sections))}.json"

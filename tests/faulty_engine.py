@@ -7,14 +7,21 @@ can. It is installed after admission (admission would refuse it), as a bug in a 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 TRIGGER = "FAULTY"
 
 
 class FaultyEngine:
+    """An ``engines.protocol.Engine`` around ``inner``. Holds the GIL as far as the chunked encoder knows
+    (``releases_gil`` false): every text reaches :meth:`encode` whole, so the trigger is never cut apart."""
+
     name = "faulty"
     version = "test"
+    releases_gil = False
+    accepts_utf8 = False
 
     def __init__(self, inner, token_nbytes: np.ndarray):
         self.inner = inner
@@ -35,6 +42,12 @@ class FaultyEngine:
             ids = np.array(ids, dtype=np.int32)
             ids[-1] = self._swap[ids[-1]]
         return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def reserve(self, n: int) -> None:
+        self.inner.reserve(n)
 
 
 def install(tokenizer) -> FaultyEngine:

@@ -37,9 +37,9 @@ def _info(args) -> int:
 
 
 def _guard_tables(args) -> int:
-    from toktier_backend.engines.admission import _main
+    from toktier_backend.engines.admission import main as guard_tables_main
 
-    _main(args.files + (["--cache"] if args.cache else []) + [a for e in args.engine or () for a in ("--engine", e)])
+    guard_tables_main(args.files + (["--cache"] if args.cache else []) + [a for e in args.engine or () for a in ("--engine", e)])
     return 0
 
 

@@ -46,8 +46,9 @@ def resolve_path(spec: str | os.PathLike) -> Path:
         ) from e
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable-char map (openai/gpt-2 ``encoder.py``), used by ByteLevel."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-char map (openai/gpt-2 ``encoder.py``), used by ByteLevel:
+    ``{byte 0..255: one char}``, 256 distinct chars (``0x20`` -> ``"Ġ"``)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
@@ -132,13 +133,14 @@ class TokenizerSpec:
         return bool(self.config.get("truncation")) or bool(self.config.get("padding"))
 
 
-def _walk(node) -> list[dict]:
-    """Flatten nested ``Sequence`` normalizers/pre-tokenizers into a list of leaf components."""
+def walk_components(node: dict | None) -> list[dict]:
+    """Flatten nested ``Sequence`` normalizers/pre-tokenizers/decoders of a ``tokenizer.json`` into their
+    leaf components, in order (``[]`` for ``None``). Used by ``pipeline/cuts`` and ``gpu/tables``."""
     if not node:
         return []
     if node.get("type") == "Sequence":
         kids = node.get("normalizers") or node.get("pretokenizers") or node.get("processors") or []
-        return [leaf for k in kids for leaf in _walk(k)]
+        return [leaf for k in kids for leaf in walk_components(k)]
     return [node]
 
 
@@ -172,11 +174,11 @@ def load_spec(path: str | os.PathLike) -> TokenizerSpec:
     ]
     spec = TokenizerSpec(path=path, sha256=hashlib.sha256(raw).hexdigest(), config=config,
                          reference=reference, added=added)
-    leaves = _walk(config.get("pre_tokenizer")) + _walk(config.get("decoder"))
+    leaves = walk_components(config.get("pre_tokenizer")) + walk_components(config.get("decoder"))
     spec.byte_level = any(leaf.get("type") == "ByteLevel" for leaf in leaves)
     spec._normalizer_touches_ascii = _normalizer_touches_ascii(config.get("normalizer"))
     spec._normalizer_is_per_char = _normalizer_is_per_char(config.get("normalizer"))
-    norm_types = [leaf.get("type") for leaf in _walk(config.get("normalizer"))]
+    norm_types = [leaf.get("type") for leaf in walk_components(config.get("normalizer"))]
     spec._normalizer_is_nfc = norm_types == ["NFC"]
     spec.unicode_normalizer = any(t in ("NFC", "NFD", "NFKC", "NFKD") for t in norm_types)
     contents = sorted({a.content for a in added if a.content}, key=len, reverse=True)
@@ -190,7 +192,7 @@ def load_spec(path: str | os.PathLike) -> TokenizerSpec:
 def _normalizer_is_per_char(norm) -> bool:
     """True when the normalizer maps each char on its own (``Replace`` of one char by a string), so
     normalizing across an added-token boundary equals normalizing each segment."""
-    leaves = _walk(norm)
+    leaves = walk_components(norm)
     return bool(leaves) and all(
         leaf.get("type") == "Replace" and len((leaf.get("pattern") or {}).get("String") or "") == 1 for leaf in leaves
     )
@@ -216,7 +218,7 @@ def _nfc_identity(text: str) -> bool:
 
 def _normalizer_touches_ascii(norm) -> bool:
     """False when the normalizer is provably the identity on ASCII text (NFC/NFD/NFKC/NFKD only)."""
-    return any(leaf.get("type") not in ("NFC", "NFD", "NFKC", "NFKD") for leaf in _walk(norm))
+    return any(leaf.get("type") not in ("NFC", "NFD", "NFKC", "NFKD") for leaf in walk_components(norm))
 
 
 _PROBES = ("", "a", "hello world", " x\n\ny", "1234", "<|im_start|>user")
@@ -250,7 +252,7 @@ def _derive_token_nbytes(spec: TokenizerSpec) -> None:
     vocab = spec.reference.get_vocab(with_added_tokens=True)
     n = max(vocab.values()) + 1
     table = np.zeros(n, dtype=np.int32)
-    b2u = set(_bytes_to_unicode().values()) if spec.byte_level else None
+    b2u = set(bytes_to_unicode().values()) if spec.byte_level else None
     added_ids = {a.id: a.content for a in spec.added}
     for tok, i in vocab.items():
         if i in added_ids:

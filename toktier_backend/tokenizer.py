@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from toktier_backend.engines.admission import Admission, admit, check_offsets, reference_only
 from toktier_backend.engines.hf import HFEngine
+from toktier_backend.engines.protocol import Engine
 from toktier_backend.engines.registry import FAST_ENGINE_ORDER, create
 from toktier_backend.errors import EngineUnavailable, InvalidRequest, ToktierError, UnsupportedTokenizer
 from toktier_backend.pipeline.chunked import ChunkedEncoder
@@ -137,6 +140,12 @@ class Tokenizer:
         max_chars: request size limit (chars).
 
     Every id it returns equals HF ``Tokenizer.from_file(path).encode(text, add_special_tokens=...).ids``.
+
+    Attributes:
+        engine: the admitted :class:`~toktier_backend.engines.protocol.Engine` (the HF reference when none
+            was admitted); assigning another one (after admission) makes every path use it.
+        admission: its :class:`~toktier_backend.engines.admission.Admission` (guard set); assignable too.
+        chunked: the :class:`~toktier_backend.pipeline.chunked.ChunkedEncoder` of whole texts.
     """
 
     def __init__(self, spec: TokenizerSpec, *, engine: str = "auto", max_chars: int = MAX_CHARS):
@@ -146,22 +155,54 @@ class Tokenizer:
         self._hf = HFEngine(str(spec.path), spec.reference)
         check_offsets(spec)
         self.cuts = CutFinder(spec)
-        self.engine, self.admission = self._choose_engine(engine)
+        eng, adm = self._choose_engine(engine)
+        #: Whole texts: one engine call, or for long ones chunks at stable cuts on the shared pool
+        #: (``pipeline/chunked.py``).
+        self.chunked = ChunkedEncoder(eng, reference=self._hf, guard=adm, cuts=self.cuts)
+        self._engine, self._admission = eng, adm
         #: shared prefixes of fresh requests, reused by content (``None`` when no cut can be proven)
         self.prefix_index = (
             PrefixIndex(self.cuts, spec.token_nbytes, spec.normalized_nbytes)
             if self.cuts.supported and spec.token_nbytes is not None else None
         )
+        if self.prefix_index is not None:  # its background inserts wait while a chunked encode runs
+            self.prefix_index.yield_to = self._chunks_idle_waiter(self.chunked)
         #: Quarantined fast routes (``FAST_ROUTES`` names -> reason): requests that would take one are served
         #: by the reference on the whole text. Set by the shadow verifier, cleared by an operator.
         self.quarantined: dict[str, str] = {}
         #: Bumped by every new quarantine: sessions built before it rebuild once from the reference.
         self.quarantine_epoch = 0
-        #: Long texts: chunked at stable cuts, chunks encoded in parallel on the shared pool (``pipeline/chunked.py``).
-        self.chunked = ChunkedEncoder(self)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self._engine = self.chunked.engine = engine
+
+    @property
+    def admission(self) -> Admission:
+        return self._admission
+
+    @admission.setter
+    def admission(self, admission: Admission) -> None:
+        self._admission = self.chunked.guard = admission
+
+    @staticmethod
+    def _chunks_idle_waiter(chunked: ChunkedEncoder) -> Callable[[float], bool]:
+        """``(timeout_s) -> bool``: wait until ``chunked``'s current pool runs no chunk task. Holds ``chunked``
+        weakly: the indexer's thread lives as long as the process, the tokenizer need not."""
+        ref = weakref.ref(chunked)
+
+        def wait(timeout: float) -> bool:
+            ch = ref()
+            return True if ch is None else ch.pool.wait_chunks_idle(timeout)
+
+        return wait
 
     # ------------------------------------------------------------------ construction
-    def _choose_engine(self, wanted: str):
+    def _choose_engine(self, wanted: str) -> tuple[Engine, Admission]:
         if wanted == "hf":
             return self._hf, reference_only("engine 'hf' requested")
         names = FAST_ENGINE_ORDER if wanted == "auto" else (wanted,)
@@ -197,7 +238,6 @@ class Tokenizer:
             "path": str(self.spec.path), "sha256": self.spec.sha256, "family": self.family,
             "family_reason": self.cuts.reason, "engine": self.engine.name,
             "engine_admitted": self.admission.admitted, "guarded_code_points": len(self.admission.guarded),
-            "long_text_strategy": self.chunked.strategy, "long_text_calibration": self.chunked.calibration,
             "prefix_ids": None if self.spec.prefix_ids is None else self.spec.prefix_ids.tolist(),
             "suffix_ids": None if self.spec.suffix_ids is None else self.spec.suffix_ids.tolist(),
             "notes": self.spec.notes,
@@ -251,11 +291,12 @@ class Tokenizer:
     def encode_body(self, text: str, *, route: str = "full") -> tuple[np.ndarray, str]:
         """Body ids (no post-processor) and the engine that produced them.
 
-        The admitted engine serves texts without guarded code points on routes that are not quarantined;
-        everything else, and any engine error, goes to the reference.
+        The admitted engine serves texts without guarded code points on routes that are not quarantined
+        (a long text in chunks, each checked on its own: :class:`ChunkedEncoder`); everything else, and any
+        engine error, goes to the reference.
         """
         if route not in self.quarantined and self.chunked.wants(text):  # guard set checked per chunk
-            return self.chunked.encode_body(text)
+            return self.chunked.encode(text)
         eng = self.engine
         if eng is not self._hf and route not in self.quarantined and not self.admission.has_guarded(text):
             try:
@@ -281,22 +322,16 @@ class Tokenizer:
         idx = self.prefix_index
         indexed = idx is not None and not self.quarantined and len(text) >= 2 * idx.step  # no reuse in quarantine
         hit = idx.lookup(text) if indexed else None
-        ch, n = self.chunked, len(text)
-        fast = "full" not in self.quarantined and ch.available  # else encode_body: reference or engine on str
-        if hit is None:
-            if fast and not ch.wants(text):  # one UTF-8 encode for surrogate check, guard check, engine input
-                body, engine = ch.encode_span(text, 0, n)  # (1M chars: ~1.4 ms less than through encode_body)
-            else:
-                if not fast:  # (fast here means a chunked encode, which checks each chunk itself)
-                    _check_scalars(text)
-                body, engine = self.encode_body(text)
-        else:
-            if fast and n - hit.cut < ch.min_chars:
-                tail, engine = ch.encode_span(text, hit.cut, n)  # one UTF-8 encode, engine without the GIL
-            else:
-                _check_scalars(text, hit.cut)
-                tail, engine = self.encode_body(text[hit.cut :])
-            body = np.concatenate([*hit.parts, tail])  # one copy of the ids
+        start = 0 if hit is None else hit.cut  # a stable cut of text
+        if "full" not in self.quarantined and self.chunked.available:
+            # one UTF-8 conversion per chunk: surrogate check, guard check and engine input (chunks of a long
+            # text on the pool, each checked on its own)
+            body, engine = self.chunked.encode(text, start)
+        else:  # the reference, or an engine that holds the GIL, on the whole rest
+            _check_scalars(text, start)
+            body, engine = self.encode_body(text[start:] if start else text)
+        if hit is not None:
+            body = np.concatenate([*hit.parts, body])  # one copy of the ids
             engine += "+prefix"
         if indexed:
             idx.insert_later(text, body, after=hit)  # hashed off the request path
@@ -315,20 +350,24 @@ class Tokenizer:
         Raises:
             InvalidRequest: lone surrogates, not ``str``, or over ``max_chars``.
         """
-        return self._encode_with(text, add_special_tokens, self.encode_fresh)[0]
+        return self.encode_with_body(text, add_special_tokens, self.encode_fresh)[0]
 
-    def _encode_with(self, text: str, add_special_tokens: bool, fresh) -> tuple[np.ndarray, str]:
-        """:meth:`encode` with the body of the text from ``fresh(text) -> (int32[n] body ids, label)``
+    def encode_with_body(self, text: str, add_special_tokens: bool,
+                         body_fn: Callable[[str], tuple[np.ndarray, str]]) -> tuple[np.ndarray, str]:
+        """:meth:`encode` with the body of the text from ``body_fn(text) -> (int32[n] body ids, label)``
         (:meth:`encode_fresh`; a GPU model instance passes its router, ``faces/triton.py``). Validation
-        and the post-processor are the same whatever ``fresh`` is.
+        and the post-processor are the same whatever ``body_fn`` is.
 
         Returns:
-            the ids (as :meth:`encode`) and ``fresh``'s label, or ``"reference"`` when the whole text went to
-            the HF reference (non-constant post-processor, truncation or padding: ``fresh`` is not called).
+            the ids (as :meth:`encode`) and ``body_fn``'s label, or ``"reference"`` when the whole text went to
+            the HF reference (non-constant post-processor, truncation or padding: ``body_fn`` is not called).
+
+        Raises:
+            InvalidRequest: as :meth:`encode`.
         """
         _validate(text, self.max_chars, scalars=False)
         reference_only = self._reference_only(add_special_tokens)
-        if reference_only or fresh != self.encode_fresh:
+        if reference_only or body_fn != self.encode_fresh:
             # (encode_fresh checks only what it encodes: a chunked text chunk by chunk on the pool, where the
             # whole-text check would be ~2 ms of C under the GIL at 4M chars that a session repair on another
             # thread would wait out; a prefix hit only its tail)
@@ -337,7 +376,7 @@ class Tokenizer:
             ids = self.reference.encode(text, add_special_tokens=add_special_tokens).ids
             return np.asarray(ids, dtype=np.int32), "reference"
         try:
-            body, label = fresh(text)
+            body, label = body_fn(text)
         except (UnicodeEncodeError, TypeError):  # HF raises TypeError on a lone surrogate
             _validate(text, self.max_chars)  # one the chunks did not see (a prefix-index tail, a quarantine)
             raise

@@ -67,10 +67,10 @@ def synthetic_tokenizer(path: Path, seed: int = 3) -> None:
     """A byte-level (GPT-2 pre-tokenizer) BPE over the letters ``abc`` whose merge ranks are shuffled, so
     merges create pairs of *lower* rank than their parts (the rounds' inversion rule) and long runs
     take the block path."""
-    from toktier_backend.spec import _bytes_to_unicode
+    from toktier_backend.spec import bytes_to_unicode
 
     rng = random.Random(seed)
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     vocab = {b2u[b]: i for i, b in enumerate(range(256))}
     toks = ["a", "b", "c"]
     merges = []

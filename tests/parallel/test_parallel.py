@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import re
 import threading
 import time
 
@@ -29,12 +28,6 @@ from toktier_backend.runtime.pool import CHUNK, REPAIR, CpuPool
 
 from ..conftest import NAMES, load, reference, tokenizer_path
 
-#: Does fastokens start its helper thread in this process? Only where the environment asked for more than one
-#: thread (our engine sets ``FASTOKENS_BPE_THREADS=1`` unless it was set): as in the run of this module's
-#: whole-call tests that :func:`test_with_fastokens_helper_threads` starts in a process of its own.
-HELPERS_RUN = os.environ.get("FASTOKENS_BPE_THREADS", "1") != "1"
-
-
 @pytest.fixture(scope="module")
 def pool():
     p = CpuPool(2, name="test-parallel")
@@ -42,10 +35,33 @@ def pool():
     p.shutdown()
 
 
-def make(tok, pool, **kw) -> ChunkedEncoder:
-    """A ChunkedEncoder on the test pool, cutting chunks (not calibrated: see the ``whole`` tests)."""
-    kw.setdefault("strategy", "chunks")
-    return ChunkedEncoder(tok, pool=pool, **kw)
+def make(tok, pool=None, *, engine=None, **kw) -> ChunkedEncoder:
+    """A ChunkedEncoder for ``tok``'s engine (or ``engine``), reference, guard set and cuts, on ``pool``."""
+    return ChunkedEncoder(engine or tok.engine, reference=tok.chunked.reference, guard=tok.admission,
+                          cuts=tok.cuts, pool=pool, **kw)
+
+
+class SpyEngine:
+    """An ``Engine`` around another one (same capabilities): records the length of every input it is given
+    and raises ``RuntimeError`` on the input ``fail_on``."""
+
+    def __init__(self, inner, fail_on=None):
+        self.inner, self.fail_on = inner, fail_on
+        self.name, self.version = inner.name, inner.version
+        self.releases_gil, self.accepts_utf8 = inner.releases_gil, inner.accepts_utf8
+        self.calls: list[int] = []
+
+    def encode(self, text):
+        self.calls.append(len(text))
+        if self.fail_on is not None and text == self.fail_on:
+            raise RuntimeError("injected")
+        return self.inner.encode(text)
+
+    def encode_batch(self, texts):
+        return [self.encode(t) for t in texts]
+
+    def reserve(self, n: int) -> None:
+        self.inner.reserve(n)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +75,7 @@ def hf_ids(name: str, text: str, add_special_tokens: bool = False) -> list[int]:
 
 
 def check(name: str, enc: ChunkedEncoder, text: str, *, min_chunks: int = 1) -> tuple[np.ndarray, str]:
-    ids, engine = enc.encode_body(text)
+    ids, engine = enc.encode(text)
     assert ids.dtype == np.int32
     want = hf_ids(name, text)
     if ids.tolist() != want:
@@ -166,7 +182,7 @@ def test_every_chunk_count_1_to_16(name, engine, pool, corpus_text):
     for k in range(1, 17):
         enc = make(tok, pool, chunk_chars=math.ceil(len(text) / k), min_chars=0)
         assert len(enc.bounds(text)) - 1 == k, f"{name}: {k} chunks wanted"
-        ids, _ = enc.encode_body(text)
+        ids, _ = enc.encode(text)
         assert ids.tolist() == want, f"{name}: {k} chunks"
 
 
@@ -177,9 +193,7 @@ def test_public_api_and_session_full_route(name, pool, corpus_text, monkeypatch)
     tok = load(name)
     monkeypatch.setattr(tok.chunked, "min_chars", 1)
     monkeypatch.setattr(tok.chunked, "chunk_chars", 2000)
-    monkeypatch.setattr(tok.chunked, "strategy", "chunks")
-    monkeypatch.setattr(tok.chunked, "_prepared", True)
-    monkeypatch.setattr(tok.chunked, "_pool", pool)
+    monkeypatch.setattr(tok.chunked, "pool", pool)
     text = corpus_text[:30_000]
     before = tok.chunked.stats["encodes"]
     for flag in (True, False):
@@ -212,7 +226,7 @@ def test_guarded_piece_goes_to_reference_alone_on_the_str_path(name, pool, corpu
     from toktier_backend.engines.admission import Admission
 
     tok = tt.load_tokenizer(tokenizer_path(name), engine="fastokens")
-    assert not tok.admission.guarded and not tok.chunked.accepts_utf8
+    assert not tok.admission.guarded and not tok.engine.accepts_utf8
     tok.admission = Admission(True, [ord("é")])
     monkeypatch.setattr(parallel, "PIECE_CHARS", 1000)
     text = corpus_text[:20_000]
@@ -224,150 +238,55 @@ def test_guarded_piece_goes_to_reference_alone_on_the_str_path(name, pool, corpu
 
 
 @pytest.mark.parametrize("engine", ["fastokens", "gigatoken"])
-def test_engine_error_sends_only_that_chunk_to_reference(engine, pool, corpus_text, monkeypatch):
+def test_engine_error_sends_only_that_chunk_to_reference(engine, pool, corpus_text):
     tok = load("qwen3", engine)
-    enc = make(tok, pool, chunk_chars=2000, min_chars=0)
-    real = enc._encode
-
     text = corpus_text[:20_000]
-    b = enc.bounds(text)
+    b = make(tok, pool, chunk_chars=2000, min_chars=0).bounds(text)
     target = text[b[2]:b[3]]  # the third chunk fails
-    if enc.accepts_utf8:
+    if tok.engine.accepts_utf8:
         target = target.encode()
-
-    def flaky(data):
-        if data == target:
-            raise RuntimeError("injected")
-        return real(data)
-
-    monkeypatch.setattr(enc, "_encode", flaky)
+    enc = make(tok, pool, engine=SpyEngine(tok.engine, fail_on=target), chunk_chars=2000, min_chars=0)
     _, got_engine = check("qwen3", enc, text, min_chunks=8)
     assert got_engine == f"{engine}+hf"
     assert enc.stats["engine_errors"] == enc.stats["reference_chunks"] == 1
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_whole_strategy_is_exact_and_pins_only_while_it_runs(name, corpus_text, monkeypatch):
-    """The ``"whole"`` strategy: one engine call, the caller and the engine's helper threads pinned to
-    distinct CPUs during the call (from ``WHOLE_PIN_MIN_CHARS``, lowered here) and given back the whole set
-    after; ids equal HF's on every file, through ``encode_body`` and ``encode_span``; a lone surrogate is
-    still named."""
-    monkeypatch.setattr(parallel, "WHOLE_PIN_MIN_CHARS", 1000)
-    tok = load(name)
-    enc = ChunkedEncoder(tok, strategy="whole", min_chars=0)
-    text = corpus_text + trap_text(name, random.Random(f"whole-{name}"))
-    seen: list[tuple] = []
-    helpers = getattr(tok.engine, "helper_threads", lambda: [])()
-    real = enc._encode
-
-    def spy(data):
-        seen.append((os.sched_getaffinity(0), [os.sched_getaffinity(t) for t in helpers]))
-        return real(data)
-
-    enc._encode = spy
-    ids, engine = enc.encode_body(text)
-    assert ids.tolist() == hf_ids(name, text) and engine == tok.engine.name
-    assert enc.stats["chunks"] == 1
-    ids, _ = enc.encode_span(text, 0, len(text))
-    assert ids.tolist() == hf_ids(name, text)
-    allowed = os.sched_getaffinity(0)
-    if tok.engine.name == "fastokens":  # helpers only where the process asked for them (engines/fastokens.py)
-        assert bool(helpers) == HELPERS_RUN, (helpers, os.environ.get("FASTOKENS_BPE_THREADS"))
-    if helpers and len(allowed) > 1:  # pinned while the engine ran: caller and helpers on distinct CPUs
-        mine, theirs = seen[0]
-        assert len(mine) == 1 and all(len(t) == 1 and t != mine for t in theirs), seen[0]
-    assert os.sched_getaffinity(0) == allowed
-    assert all(os.sched_getaffinity(t) == allowed for t in helpers)
-    with pytest.raises(tt.InvalidRequest, match="at char 5000"):
-        enc.encode_body(text[:5000] + "\udc00" + text[5000:])
-    seen.clear()  # below WHOLE_PIN_MIN_CHARS: the same call, unpinned
-    monkeypatch.setattr(parallel, "WHOLE_PIN_MIN_CHARS", len(text) + 1)
-    assert enc.encode_body(text)[0].tolist() == hf_ids(name, text)
-    assert seen[0][0] == allowed
-
-
-def test_calibration_measures_both_ways_and_keeps_the_faster():
-    """``prepare`` chooses the strategy by measurement when none is given, and records both medians."""
-    for name, engine in (("gpt2", "fastokens"), ("qwen3", "fastokens"), ("cl100k_base", "auto")):
-        tok = tt.load_tokenizer(tokenizer_path(name), engine=engine)
-        enc = ChunkedEncoder(tok)
-        enc.prepare()
-        cal = enc.calibration
-        assert enc.strategy == cal["chosen"] in ("whole", "chunks", "by_kind")
-        if tok.engine.name == "gigatoken":  # one thread per call: nothing to measure
-            assert cal["chosen"] == "chunks" and "reason" in cal
-        elif not HELPERS_RUN:  # fastokens' helpers are off by default: the pool does all the work
-            assert cal == {"chosen": "chunks", "reason": "the engine starts no helper threads"}
-        elif len(os.sched_getaffinity(0)) > 1:
-            assert cal["sample_chars"] == parallel.CALIBRATE_CHARS
-            for kind in ("ascii", "non_ascii"):
-                k = cal[kind]
-                assert k["whole_cores"] > 0
-                if k["whole_cores"] < parallel.WHOLE_MIN_CORES:  # the engine did not split the call
-                    assert k["chosen"] == "chunks" and "cores" in k["why"]
-                else:
-                    clearly = k["whole_ms_p50"] * parallel.WHOLE_MIN_GAIN <= k["chunks_ms_p50"]
-                    assert k["chosen"] == ("whole" if clearly else "chunks")
-            a, b = cal["ascii"]["chosen"], cal["non_ascii"]["chosen"]
-            assert cal["chosen"] == (a if a == b else "by_kind")
-            # each request takes its kind's choice
-            assert enc._whole_for("x" * 10) == (a == "whole")
-            assert enc._whole_for("x\u2502" * 10) == (b == "whole")
-    with pytest.raises(ValueError, match="strategy"):
-        ChunkedEncoder(tok, strategy="by_kind")  # (only a calibration chooses it)
-    with pytest.raises(ValueError, match="strategy"):
-        ChunkedEncoder(tok, strategy="both")
-
-
-def test_fastokens_helper_threads_are_off_unless_the_process_asks():
+def test_fastokens_helper_thread_is_off_unless_the_process_asks_and_exact_either_way(corpus_texts):
     """Importing the engine sets ``FASTOKENS_BPE_THREADS=1`` unless the process set it, so fastokens starts
-    no helper thread and a long text's pieces run on the pool alone (``engines/fastokens.py`` has the
-    measurements); a value the process set is kept."""
+    no helper thread and a long text's pieces run on the pool alone (``docs/design/parallel.md``); a value
+    the process set is kept, fastokens' helper thread then runs, and a long text (chunked on the pool,
+    pieces handed partly to that helper) still equals HF's ids. Each case in a fresh process: fastokens
+    reads the variable once per process."""
     import subprocess
     import sys
 
-    code = ("import os, toktier_backend as tt; t = tt.load_tokenizer(); t.encode('x ' * 300_000); "
-            "print(os.environ['FASTOKENS_BPE_THREADS'], len(t.engine.helper_threads()))")
-    for given, want in ((None, "1 0"), ("2", "2 1")):
-        env = {k: v for k, v in os.environ.items() if k != "FASTOKENS_BPE_THREADS"}
-        if given is not None:
-            env["FASTOKENS_BPE_THREADS"] = given
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split("\n")[-2] == want, (given, out.stdout, out.stderr)
-
-
-@pytest.mark.skipif(HELPERS_RUN, reason="(this is the run it starts)")
-def test_with_fastokens_helper_threads():
-    """The whole-call strategy and its calibration where fastokens' helper thread runs (a process that sets
-    ``FASTOKENS_BPE_THREADS=2``): this module's tests for them, rerun in a process of their own, where
-    :data:`HELPERS_RUN` makes them assert that the helper exists and is pinned during the call."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, FASTOKENS_BPE_THREADS="2")
-    sel = "calibration or by_kind or whole_strategy and (gpt2 or llama3_1 or deepseek_v3 or qwen3)"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", sel],
-                         env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
-    assert re.search(r"^6 passed, \d+ deselected", out.stdout, re.M), out.stdout[-2000:]
-
-
-def test_by_kind_strategy_routes_each_text_by_its_kind_and_stays_exact(corpus_text, pool):
-    """``"by_kind"`` (a calibration whose ASCII and non-ASCII samples disagreed): an ASCII text takes its
-    kind's choice (here one whole call), a non-ASCII one the other (here chunks); both equal HF."""
-    tok = load("gpt2")
-    enc = make(tok, pool, min_chars=0, chunk_chars=20_000)
-    enc.strategy = "by_kind"
-    enc.calibration = {"chosen": "by_kind", "ascii": {"chosen": "whole"}, "non_ascii": {"chosen": "chunks"}}
-    ascii_text = corpus_text.encode("ascii", "replace").decode()
-    assert ascii_text.isascii() and len(ascii_text) > 100_000
-    ids, _ = enc.encode_body(ascii_text)
-    assert ids.tolist() == hf_ids("gpt2", ascii_text) and enc.stats["chunks"] == 1
-    other = ascii_text[:50_000] + "\u2502 \u00e9t\u00e9" + ascii_text[50_000:]
-    ids, _ = enc.encode_body(other)
-    assert ids.tolist() == hf_ids("gpt2", other) and enc.stats["chunks"] > 3
-    assert enc.encode_span(other, 0, len(other))[0].tolist() == hf_ids("gpt2", other)
+    code = (
+        "import os, sys, tokenizers, toktier_backend as tt\n"
+        "text = open(sys.argv[1], encoding='utf-8').read()\n"
+        "t = tt.load_tokenizer(engine='fastokens')\n"
+        "assert t.chunked.wants(text), len(text)\n"
+        "ids = t.encode(text, add_special_tokens=False).tolist()\n"
+        "want = tokenizers.Tokenizer.from_file(str(tt.default_tokenizer_path()))"
+        ".encode(text, add_special_tokens=False).ids\n"
+        "names = [open(f'/proc/self/task/{x}/comm').read() for x in os.listdir('/proc/self/task')]\n"
+        "print(os.environ['FASTOKENS_BPE_THREADS'], sum(n.startswith('fastokens') for n in names),"
+        " ids == want, t.chunked.stats['chunks'] > 1)\n"
+    )
+    text = corpus.long_session_text(1_200_000)
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"toktier-helper-{os.getpid()}.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    try:
+        for given, want in ((None, "1 0 True True"), ("2", "2 1 True True")):
+            env = {k: v for k, v in os.environ.items() if k != "FASTOKENS_BPE_THREADS"}
+            if given is not None:
+                env["FASTOKENS_BPE_THREADS"] = given
+            out = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True,
+                                 timeout=300)
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.split("\n")[-2] == want, (given, out.stdout, out.stderr)
+    finally:
+        os.unlink(path)
 
 
 def test_lone_surrogate_names_its_index(pool):
@@ -375,7 +294,7 @@ def test_lone_surrogate_names_its_index(pool):
     enc = make(tok, pool, chunk_chars=100, min_chars=0)
     text = "word " * 200 + "\ud800" + " more" * 10
     with pytest.raises(tt.InvalidRequest, match="at char 1000"):
-        enc.encode_body(text)
+        enc.encode(text)
     with pytest.raises(tt.InvalidRequest, match="lone surrogate"):
         tok.encode(text)
 
@@ -387,7 +306,7 @@ def test_chunks_converted_in_pieces_are_exact_and_surrogates_named(name, corpus_
     monkeypatch.setattr(parallel, "PIECE_CHARS", 1000)
     tok = load(name)
     p = CpuPool(2, name="test-pieces")
-    enc = ChunkedEncoder(tok, pool=p, chunk_chars=7000, min_chars=0)
+    enc = make(tok, p, chunk_chars=7000, min_chars=0)
     text = corpus_text[:30_000] + " caf\u00e9 \u4e2d\u6587 \U0001F600 " + corpus_text[30_000:40_000]
     for active in (0, 1):
         p._repairs_running = active  # as if a repair were running: sleep(0) between pieces
@@ -395,7 +314,7 @@ def test_chunks_converted_in_pieces_are_exact_and_surrogates_named(name, corpus_
     p._repairs_running = 0
     bad = text[:12_345] + "\udc80" + text[12_345:]
     with pytest.raises(tt.InvalidRequest, match="at char 12345"):
-        enc.encode_body(bad)
+        enc.encode(bad)
     p.shutdown()
 
 
@@ -533,6 +452,8 @@ def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, expres
     tok = load("qwen3")
     p = CpuPool(2, express=express, name="test-delta")
     enc = make(tok, p, chunk_chars=20_000, min_chars=0)
+    enc.prepare()  # (its warm-up is one chunk task per worker)
+    warm = p.stats()["by_priority"]["chunk"]["completed"]
     text = corpus.long_session_text(3_000_000)
     n_chunks = len(enc.bounds(text)) - 1
     assert n_chunks >= 100
@@ -541,12 +462,12 @@ def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, expres
     done: dict[str, float] = {}
 
     def long_encode():
-        enc.encode_body(text)
+        enc.encode(text)
         done["encode"] = time.perf_counter()
 
     t = threading.Thread(target=long_encode)
     t.start()
-    while p.stats()["by_priority"]["chunk"]["completed"] < 4:  # the encode is under way
+    while p.stats()["by_priority"]["chunk"]["completed"] < warm + 4:  # the encode is under way
         time.sleep(0.0005)
     t0 = time.perf_counter()
     ids = p.call(s.append, "\n<|im_start|>user\nnext turn, please<|im_end|>\n", priority=REPAIR)
@@ -556,7 +477,7 @@ def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, expres
     assert done["repair"] < done["encode"], "the repair waited for the whole encode"
     st = p.stats()
     assert st["by_priority"]["repair"]["completed"] == 1
-    assert st["by_priority"]["chunk"]["completed"] == n_chunks
+    assert st["by_priority"]["chunk"]["completed"] == warm + n_chunks
     # it overtook the queued chunks: far fewer than all of them ran before it
     assert st["by_priority"]["repair"]["wait_ms_max"] < (done["encode"] - t0) * 1e3
     p.shutdown()
@@ -564,7 +485,7 @@ def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, expres
 
 def test_shared_pool_is_one_per_process():
     assert runtime_pool.shared_pool() is runtime_pool.shared_pool()
-    assert ChunkedEncoder(load("gpt2")).pool is runtime_pool.shared_pool()
+    assert make(load("gpt2")).pool is runtime_pool.shared_pool()
 
 
 def test_pool_nice_lowers_only_worker_threads():
@@ -606,36 +527,35 @@ def test_default_step_is_one_chunk_per_worker_up_to_chunk_chars():
     """Engines that take UTF-8 (gigatoken): one chunk per worker, at most CHUNK_CHARS each. Engines that
     take ``str`` (fastokens): every PIECE_CHARS piece is a task of its own."""
     fk = load("gpt2")
-    assert not fk.chunked.accepts_utf8
+    assert not fk.engine.accepts_utf8
     text = corpus.long_session_text(300_000)
-    enc = ChunkedEncoder(fk, pool=CpuPool(2, name="test-step-str"), min_chars=0)
+    spy = SpyEngine(fk.engine)
+    enc = make(fk, CpuPool(2, name="test-step-str"), engine=spy, min_chars=0)
     assert enc.step(4_000_000) == parallel.PIECE_CHARS
     assert len(enc.bounds(text)) - 1 == -(-len(text) // parallel.PIECE_CHARS)
-    assert enc.encode_body(text)[0].tolist() == hf_ids("gpt2", text)
+    assert enc.encode(text)[0].tolist() == hf_ids("gpt2", text)
     # one engine call per piece: a span a few chars over PIECE_CHARS (its cut fell before its grid point,
     # the next one on it) is not re-cut into a piece and a sliver
     text = corpus.long_session_text(1_100_000)
     b = enc.bounds(text)
     assert any(y - x > parallel.PIECE_CHARS for x, y in zip(b[:-1], b[1:])), b
-    calls = []
-    real = enc._encode
-    enc._encode = lambda piece: calls.append(len(piece)) or real(piece)
-    assert enc.encode_body(text)[0].tolist() == hf_ids("gpt2", text)
-    assert sorted(calls) == sorted(y - x for x, y in zip(b[:-1], b[1:]))
+    spy.calls.clear()
+    assert enc.encode(text)[0].tolist() == hf_ids("gpt2", text)
+    assert sorted(spy.calls) == sorted(y - x for x, y in zip(b[:-1], b[1:]))
     enc.pool.shutdown()
     tok = load("gpt2", engine="gigatoken")
     for workers in (1, 2, 3):
         p = CpuPool(workers, name="test-step")
-        enc = ChunkedEncoder(tok, pool=p)
+        enc = make(tok, p)
         assert enc.step(2_000_000) == -(-2_000_000 // workers)  # <= CHUNK_CHARS: one chunk per worker
         n = 5 * parallel.CHUNK_CHARS + 1  # more chunks than workers past CHUNK_CHARS each
         assert enc.step(n) == -(-n // max(workers, 6))
-        assert ChunkedEncoder(tok, pool=p, chunk_chars=777).step(10**6) == 777
+        assert make(tok, p, chunk_chars=777).step(10**6) == 777
         p.shutdown()
     text = corpus.long_session_text(300_000)
-    enc = ChunkedEncoder(tok, pool=CpuPool(3, name="test-step3"), min_chars=0)
+    enc = make(tok, CpuPool(3, name="test-step3"), min_chars=0)
     assert len(enc.bounds(text)) - 1 == 3
-    assert enc.encode_body(text)[0].tolist() == hf_ids("gpt2", text)
+    assert enc.encode(text)[0].tolist() == hf_ids("gpt2", text)
     enc.pool.shutdown()
 
 
@@ -643,7 +563,6 @@ def test_handler_runs_sessions_and_chunks_on_its_pool(corpus_text):
     from toktier_backend.faces.triton import Handler
 
     tok = tt.load_tokenizer(tt.default_tokenizer_path())
-    tok.chunked.strategy = "chunks"  # (else the handler's prepare() calibrates, and may choose "whole")
     p = CpuPool(2, name="test-handler")
     h = Handler(tok, max_text_bytes=1 << 22, pool=p)
     assert tok.chunked.pool is p
@@ -671,7 +590,7 @@ def test_engine_calls_from_other_threads_during_chunks(corpus_text):
 
 def _engine_calls_during_chunks(tok, corpus_text):
     p = CpuPool(2, name="test-borrow")
-    enc = ChunkedEncoder(tok, pool=p, chunk_chars=8192, min_chars=0)
+    enc = make(tok, p, chunk_chars=8192, min_chars=0)
     text = corpus.long_session_text(600_000)
     errors: list[BaseException] = []
     done = threading.Event()
@@ -687,7 +606,7 @@ def _engine_calls_during_chunks(tok, corpus_text):
     t.start()
     try:
         for _ in range(3):
-            enc.encode_body(text)
+            enc.encode(text)
     finally:
         done.set()
         t.join()
@@ -715,18 +634,78 @@ def test_lone_surrogate_on_every_route_is_invalid_request(corpus_text, monkeypat
         tok.encode(base[:30_000] + "\ud800" + base[30_000:])
 
 
-def test_handler_long_text_strategy_parameter():
-    """``long_text_strategy`` in ``config.pbtxt``: ``auto`` keeps what the load-time calibration chose, the
-    others force it, anything else fails the model's load with the parameter named."""
-    from toktier_backend.faces.triton import Handler
+def test_run_on_each_worker_runs_once_on_every_worker():
+    p = CpuPool(3, express=1, name="test-each")
+    try:
+        names = p.run_on_each_worker(lambda: threading.current_thread().name)
+        assert sorted(names) == [f"test-each-worker-{i}" for i in range(3)]
+        with pytest.raises(RuntimeError, match="from one of its workers"):
+            p.call(lambda: p.run_on_each_worker(lambda: None), priority=CHUNK)
+    finally:
+        p.shutdown()
 
-    base = {"tokenizer": "default", "pool_workers": "2"}
-    h = Handler.from_parameters(base)
-    assert h.tokenizer.chunked.strategy == h.tokenizer.chunked.calibration["chosen"]
-    for forced in ("chunks", "whole"):
-        h = Handler.from_parameters({**base, "long_text_strategy": forced})
-        assert h.tokenizer.chunked.strategy == forced
-        text = corpus.long_session_text(300_000)
-        assert h.handle_encode(text.encode())["INPUT_ID"].tolist() == hf_ids("gpt2", text, True)
-    with pytest.raises(ValueError, match="long_text_strategy"):
-        Handler.from_parameters({**base, "long_text_strategy": "fast"})
+
+def test_prepare_warms_the_engine_on_every_pool_worker_once_per_pool():
+    """An engine's first call on a thread builds per-thread state; ``prepare`` makes that call on each worker
+    (``docs/design/parallel.md``): every worker encodes once, a new pool is warmed again, and the ids of a
+    chunked encode afterwards still equal HF's."""
+    tok = load("qwen3")
+    seen: list[str] = []
+
+    class Recording(SpyEngine):
+        def encode(self, text):
+            seen.append(threading.current_thread().name)
+            return super().encode(text)
+
+    p = CpuPool(2, name="test-warm")
+    try:
+        enc = make(tok, p, engine=Recording(tok.engine), min_chars=0)
+        enc.prepare()
+        assert sorted(seen) == ["test-warm-worker-0", "test-warm-worker-1"]
+        text = corpus.long_session_text(600_000)
+        assert enc.encode(text)[0].tolist() == hf_ids("qwen3", text)
+        assert len(seen) == 2 + enc.stats["chunks"]  # no second warm-up for the same pool
+        p2 = CpuPool(2, name="test-warm2")
+        enc.pool = p2
+        seen.clear()
+        enc.encode(text)
+        assert sorted(seen[:2]) == ["test-warm2-worker-0", "test-warm2-worker-1"]
+        p2.shutdown()
+    finally:
+        p.shutdown()
+
+
+def test_prefix_indexer_waits_while_chunks_run_and_lookups_do_not_wait_for_it(corpus_texts, monkeypatch):
+    """The background indexer calls ``yield_to`` before each chunk (the tokenizer passes its pool's
+    ``wait_chunks_idle``): while a chunk task runs, no chunk of a queued insert is hashed; once the pool is
+    idle the insert completes, and its chain serves a later lookup exactly."""
+    from toktier_backend.pipeline import prefix_index
+
+    monkeypatch.setattr(prefix_index, "YIELD_S", 30.0)  # (shipped: at most 50 ms per chunk)
+    tok = tt.load_tokenizer(tokenizer_path("qwen3"))
+    idx = tok.prefix_index
+    p = CpuPool(1, name="test-yield")
+    tok.chunked.pool = p
+    hashed: list[bool] = []
+    real = idx.digest
+    idx.digest = lambda parent, chunk: hashed.append(p.wait_chunks_idle(0)) or real(parent, chunk)
+    gate = threading.Event()
+    try:
+        blocker = p.submit(gate.wait, 10, priority=CHUNK)  # a chunk task "runs"
+        text = "".join(corpus_texts)[:200_000]
+        body, _ = tok.encode_fresh(text)
+        assert not p.wait_chunks_idle(0)
+        time.sleep(0.2)
+        assert hashed == []  # the indexer waits
+        t0 = time.perf_counter()
+        assert idx.lookup(text + "x") is None  # not indexed yet, and the lookup did not wait on the insert
+        assert time.perf_counter() - t0 < 0.05
+        gate.set()
+        blocker.result(timeout=10)
+        idx.drain()
+        assert hashed and all(hashed)  # every chunk hashed with no chunk task queued or running
+        hit = idx.lookup(text + " more")
+        assert hit is not None and hit.ids.tolist() == hf_ids("qwen3", text[:hit.cut])
+    finally:
+        gate.set()
+        p.shutdown()

@@ -227,7 +227,7 @@ def test_from_config_builds_a_serving_core(tmp_path):
     cfg = CoreConfig.from_parameters({
         "tokenizer": "default", "max_text_bytes": "1000", "session_budget_bytes": "50000", "max_sessions": "9",
         "verifier_rate": "0.5", "verifier_first_n": "0", "verifier_debug": "yes",
-        "quarantine_file": str(tmp_path / "q.json"), "long_text_strategy": "whole",  # (no longer read)
+        "quarantine_file": str(tmp_path / "q.json"),
         "chunk_chars": "0", "parallel_min_chars": "${parallel_min_chars}", "pool_workers": "",
     })
     assert cfg.pool_workers is None and cfg.chunk_chars is None and cfg.parallel_min_chars is None

@@ -30,6 +30,7 @@ import numpy as np
 import tokenizers
 
 from toktier_backend.config import cache_dir
+from toktier_backend.engines.protocol import Engine
 from toktier_backend.spec import TokenizerSpec
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def contexts_for(spec: TokenizerSpec) -> tuple[str, ...]:
     return CONTEXTS + NORMALIZER_CONTEXTS if spec.unicode_normalizer else CONTEXTS
 
 
-def guard_key(spec: TokenizerSpec, engine) -> str:
+def guard_key(spec: TokenizerSpec, engine: Engine) -> str:
     """Cache file name of a guard table: file, engine build, reference version and the probe contexts."""
     ctx = hashlib.sha256("|".join(contexts_for(spec)).encode()).hexdigest()[:8]
     return f"{spec.sha256[:32]}-{engine.name}-{engine.version}-tokenizers{tokenizers.__version__}-ctx{ctx}.json"
@@ -113,7 +114,7 @@ class Admission:
         """
         if self._re is None:
             return False
-        if text.isascii() and not self._ascii_guarded:
+        if text.isascii() and not self.ascii_guarded:
             return False
         if len(text) >= _SCAN_CHARS:
             # surrogatepass: callers validate first; a lone surrogate is never guarded either way
@@ -137,7 +138,7 @@ class Admission:
         if not len(self._sorted):
             return False
         u = np.frombuffer(data, dtype=np.uint8)
-        if self._ascii_guarded and self.has_guarded_cps(u[u < 0x80].astype(np.uint32)):
+        if self.ascii_guarded and self.has_guarded_cps(u[u < 0x80].astype(np.uint32)):
             return True
         lead = _non_ascii_at(u)  # agent text: ~1 non-ASCII char in 2,000
         lead = lead[u[lead] >= self._lead_min]
@@ -155,7 +156,8 @@ class Admission:
         return self.has_guarded_cps(cps)
 
     @property
-    def _ascii_guarded(self) -> bool:
+    def ascii_guarded(self) -> bool:
+        """Is an ASCII code point guarded (then even an all-ASCII text must be checked)?"""
         return bool(self.guarded) and self.guarded[0] < 128
 
 
@@ -203,7 +205,7 @@ def canary_texts(spec: TokenizerSpec) -> list[str]:
     return texts
 
 
-def run_canary(spec: TokenizerSpec, engine) -> str:
+def run_canary(spec: TokenizerSpec, engine: Engine) -> str:
     """Compare ``engine`` with the reference on the canary; ``""`` when they agree, else a reason."""
     ref = spec.reference
     for text in canary_texts(spec):
@@ -238,7 +240,7 @@ def _scalar_values() -> list[int]:
     return [cp for cp in range(0x110000) if not 0xD800 <= cp <= 0xDFFF]
 
 
-def compute_guard_set(spec: TokenizerSpec, engine, block: int = _BLOCK) -> list[int]:
+def compute_guard_set(spec: TokenizerSpec, engine: Engine, block: int = _BLOCK) -> list[int]:
     """Code points on which ``engine`` and the reference disagree in any context (exhaustive)."""
     ref = spec.reference
     contexts = contexts_for(spec)
@@ -260,7 +262,7 @@ def compute_guard_set(spec: TokenizerSpec, engine, block: int = _BLOCK) -> list[
     return guarded
 
 
-def admit(spec: TokenizerSpec, engine, *, cache: bool = True) -> Admission:
+def admit(spec: TokenizerSpec, engine: Engine, *, cache: bool = True) -> Admission:
     """Canary then guard set (cached). Never raises for a bad engine: it is refused with a reason."""
     reason = run_canary(spec, engine)
     if reason:
@@ -289,10 +291,11 @@ def reference_only(reason: str) -> Admission:
     return Admission(False, [], reason)
 
 
-__all__ = ["Admission", "admit", "canary_texts", "check_offsets", "compute_guard_set", "run_canary"]
+__all__ = ["Admission", "admit", "canary_texts", "check_offsets", "compute_guard_set", "main", "reference_only",
+           "run_canary"]
 
 
-def _main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Precompute guard tables into ``data/guard/`` (or the user cache with ``--cache``)."""
     import argparse
     import time
@@ -301,7 +304,7 @@ def _main(argv: list[str] | None = None) -> None:
     from toktier_backend.errors import EngineUnavailable
     from toktier_backend.spec import load_spec
 
-    ap = argparse.ArgumentParser(description=_main.__doc__)
+    ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("files", nargs="+")
     ap.add_argument("--engine", action="append", default=None,
                     help=f"engine to compute for (repeatable; default: each of {', '.join(FAST_ENGINE_ORDER)} that loads the file)")

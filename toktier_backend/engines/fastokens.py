@@ -11,20 +11,16 @@ runs found 0 guarded code points on all seven files.
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import numpy as np
 
 #: fastokens' helper threads (``FASTOKENS_BPE_THREADS``, read once, at the process's first fastokens encode)
 #: are off unless the user set the variable: our pool runs every core's share of a long text, as pieces cut
-#: at stable cuts (``pipeline/chunked.py``). With the helper on, each 256K-char piece also handed work to the one
-#: helper thread, which spins after each call for more, on the core the other pool worker needs. Each
-#: system in its own process, interleaved, 0.2 s idle gaps, 4M chars of agent text, n=30, p50 ms, pieces
-#: with the helper off / the shipped choice with it on (pieces, or one whole call with the helper pinned) /
-#: one whole call with it on: gpt2 11.77 / 13.01 / 13.51, llama3_1 10.79 / 12.25 / 11.14, deepseek_v3
-#: 11.28 / 11.62 / 11.71, qwen3 12.10 / 12.81 / 17.22; at 1M chars (n=24) gpt2 3.81 / 4.34, qwen3 4.92 /
-#: 5.22. Set by ``setdefault``: a process that sets it keeps its value (``ChunkedEncoder.calibrate`` then
-#: measures one whole call with the helpers against the pieces), and a process whose fastokens already
-#: encoded before this import keeps the pool it started.
+#: at stable cuts (``pipeline/chunked.py``). Set by ``setdefault``: a process that sets it keeps its value
+#: (the pieces stay exact; fastokens may then also hand part of each piece to its helper), and a process
+#: whose fastokens already encoded before this import keeps the threads it started. Why off:
+#: ``docs/design/parallel.md``.
 BPE_THREADS_DEFAULT = "1"
 os.environ.setdefault("FASTOKENS_BPE_THREADS", BPE_THREADS_DEFAULT)
 
@@ -40,20 +36,16 @@ class FastokensEngine:
 
     Threads: ``encode_batch_flat`` converts the ``str`` to UTF-8 under the GIL (CPython's
     ``PyUnicode_AsUTF8AndSize``: ~0.6 ns/char for non-ASCII text, free for ASCII), then releases the GIL
-    while Rust runs. One object serves any number of threads at once (two threads encoding 2M chars each on
-    one object took as long as one 2M encode). With ``FASTOKENS_BPE_THREADS`` above 1 (this module sets 1
-    unless the process set it: :data:`BPE_THREADS_DEFAULT`), fastokens also starts a helper thread of its own
-    on the first encode in the process and may split a call's work with it (on gpt2, llama3_1, deepseek_v3;
-    not on qwen3); that thread inherits the CPU affinity and nice value of the thread that made the first
-    call, so the first call should come from an unpinned thread (the admission canary, at load, is that
-    call). See :meth:`helper_threads`.
+    while Rust runs (:attr:`releases_gil`). One object serves any number of threads at once (two threads
+    encoding 2M chars each on one object took as long as one 2M encode), so :meth:`reserve` loads nothing.
     The segment cache is turned off (``FASTOKENS_SEGMENT_CACHE`` would turn it on at construction): session
     repair already skips repeated text, and the guard tables were computed without it.
     """
 
     name = "fastokens"
-    #: ``encode_nogil`` takes a ``str`` only (fastokens rejects ``bytes``): a chunked encode hands it the
-    #: chunk's text and fastokens converts it on the worker (``parallel.ChunkedEncoder``).
+    releases_gil = True
+    #: ``encode`` takes a ``str`` only (fastokens rejects ``bytes``): a chunked encode hands it the piece's
+    #: text and fastokens converts it on the worker (``pipeline/chunked.py``).
     accepts_utf8 = False
 
     def __init__(self, path: str):
@@ -72,23 +64,6 @@ class FastokensEngine:
         except Exception as e:
             raise EngineUnavailable(f"fastokens cannot load {path!r}: {e}") from e
         self._tok.enable_segment_cache(0)
-        self._helpers: list[int] = []  # native ids of fastokens' helper threads, found on first use
-
-    def helper_threads(self) -> list[int]:
-        """Native thread ids of fastokens' helper threads in this process (fastokens 0.3.5 names them
-        ``fastokens-<i>``; Linux ``/proc/self/task/*/comm``), ``[]`` before the first encode or elsewhere.
-        ``ChunkedEncoder`` pins them, with the caller, to distinct CPUs while it runs a long whole-text
-        encode: left to the scheduler, the helper woke on the caller's CPU in most calls after an idle gap
-        and the call ran serially (gpt2 4M chars: 14.2 vs 9.9 ms p50, n=20). The ids are found once and
-        re-read only when one of them no longer names a fastokens thread (one ``comm`` read per call)."""
-        if self._helpers and all(_is_helper(tid) for tid in self._helpers):
-            return self._helpers
-        try:
-            tasks = os.listdir("/proc/self/task")
-        except OSError:  # pragma: no cover - not Linux
-            return []
-        self._helpers = sorted(int(tid) for tid in tasks if _is_helper(int(tid)))
-        return self._helpers
 
     def encode(self, text: str) -> np.ndarray:
         """Body ids of ``text``, GIL released while Rust runs.
@@ -105,14 +80,10 @@ class FastokensEngine:
         ids, _offsets = self._tok.encode_batch_flat([text])
         return np.frombuffer(ids, dtype="<u4").view(np.int32)
 
-    #: The pool's name for a GIL-free encode (``toktier_backend.pipeline.chunked`` chunks only engines that have one).
-    encode_nogil = encode
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """:meth:`encode` of each text, in order (one call each: a batch call would return one flat buffer
+        to split again)."""
+        return [self.encode(t) for t in texts]
 
-
-def _is_helper(tid: int) -> bool:
-    """Is native thread ``tid`` of this process one of fastokens' helpers (its name starts ``fastokens``)?"""
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().startswith("fastokens")
-    except OSError:  # the thread ended (or not Linux)
-        return False
+    def reserve(self, n: int) -> None:
+        """Nothing to load: one fastokens object serves every thread at once."""

@@ -4,6 +4,7 @@ in ``shared/tokenizers`` in our measurements, ~100x HF on 2K-char windows (see `
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 
 import numpy as np
 
@@ -19,9 +20,13 @@ MAX_BACKENDS = 16
 
 
 class GigatokenEngine:
+    """gigatoken behind the engine protocol: :meth:`encode` releases the GIL and is safe from any number of
+    threads (each takes a Rust tokenizer object of its own, see :meth:`reserve`)."""
+
     name = "gigatoken"
-    #: ``encode_nogil`` also takes the text's UTF-8 ``bytes``: a chunked encode converts each chunk once and
-    #: the same bytes feed the guard check and the engine (``parallel.ChunkedEncoder``).
+    releases_gil = True
+    #: ``encode`` also takes the text's UTF-8 ``bytes``: a chunked encode converts each chunk once and the
+    #: same bytes feed the guard check and the engine (``pipeline/chunked.py``).
     accepts_utf8 = True
 
     def __init__(self, path: str):
@@ -91,5 +96,6 @@ class GigatokenEngine:
                 self._free.append(backend)
         return rows[0].view(np.int32)
 
-    #: The pool's name for a GIL-free encode (``toktier_backend.pipeline.chunked`` chunks only engines that have one).
-    encode_nogil = encode
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """:meth:`encode` of each text, in order (on the calling thread, one call each)."""
+        return [self.encode(t) for t in texts]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
+from toktier_backend.engines.protocol import Engine
 from toktier_backend.errors import EngineUnavailable
 
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -38,11 +39,12 @@ def register(name: str, module: str, cls: str) -> None:
 
 
 def names() -> list[str]:
+    """Registered engine names, in registration order."""
     return list(_REGISTRY)
 
 
-def create(name: str, path: str):
-    """Instantiate engine ``name`` for the tokenizer file at ``path``.
+def create(name: str, path: str) -> Engine:
+    """Instantiate engine ``name`` for the tokenizer file at ``path`` (an :class:`Engine`).
 
     Raises:
         EngineUnavailable: unknown name, package missing, or the engine cannot load the file.

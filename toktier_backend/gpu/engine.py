@@ -24,6 +24,7 @@ import threading
 import numpy as np
 from numba import cuda
 
+from toktier_backend.engines.protocol import Engine
 from toktier_backend.errors import EngineUnavailable, UnsupportedTokenizer
 from toktier_backend.gpu import _warp as W_
 from toktier_backend.gpu import kernels as K
@@ -92,7 +93,9 @@ class _SizeClass:
 
 
 class GpuEngine:
-    """Full encode on a CUDA device (numba kernels), behind the ``Engine`` protocol.
+    """Full encode on a CUDA device (numba kernels), behind the ``DeviceEngine`` protocol
+    (``engines/protocol.py``): one request at a time (:attr:`releases_gil` is ``False``: never chunked onto
+    threads), ``str`` only.
 
     Args:
         path: a tokenizer.json whose family has a parallel predicate (gpt2, cl100k/Llama 3, Qwen2/3,
@@ -110,8 +113,10 @@ class GpuEngine:
     """
 
     name = "gpu"
+    releases_gil = False
+    accepts_utf8 = False
 
-    def __init__(self, path: str, *, cpu=None, use_graphs: bool | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, path: str, *, cpu: Engine | None = None, use_graphs: bool | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
         import numba
 
         self.version = f"0.1+numba{numba.__version__}"
@@ -149,12 +154,15 @@ class GpuEngine:
 
     # ------------------------------------------------------------------------------------ public
     @property
-    def cpu(self):
+    def cpu(self) -> Engine:
         if self._cpu is None:
             from toktier_backend.engines.hf import HFEngine
 
             self._cpu = HFEngine(self.path)
         return self._cpu
+
+    def reserve(self, n: int) -> None:
+        """Nothing to load: calls are serialized (one device pass at a time)."""
 
     def accepts(self, text: str) -> bool:
         """Whether :meth:`encode` runs ``text`` on the device (else it takes the CPU engine)."""

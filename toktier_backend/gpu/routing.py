@@ -40,8 +40,14 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+from toktier_backend.engines.protocol import DeviceEngine, Engine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from toktier_backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +60,15 @@ class GpuRouter:
     """Size-based router with backpressure and CPU fallback.
 
     Args:
-        cpu_engine: any ``Engine`` (in serving, :class:`FreshCpuEngine`: the tokenizer's own fresh-text
+        cpu_engine: any :class:`~toktier_backend.engines.protocol.Engine` (in serving, :class:`FreshCpuEngine`: the tokenizer's own fresh-text
             encode; or the admitted fast engine, or the HF reference); always available.
-        gpu_engine: a ``GpuEngine`` (``accepts``, ``encode``, ``encode_batch``), or ``None`` (then every
+        gpu_engine: a :class:`~toktier_backend.engines.protocol.DeviceEngine` (``GpuEngine``), or ``None`` (then every
             request is routed to the CPU).
         crossover_chars: requests with at least this many chars go to the GPU.
         max_queue: requests allowed to wait for the device besides the one running; more go to the CPU.
     """
 
-    def __init__(self, cpu_engine, gpu_engine=None, *, crossover_chars: int = DEFAULT_CROSSOVER_CHARS,
+    def __init__(self, cpu_engine: Engine, gpu_engine: DeviceEngine | None = None, *, crossover_chars: int = DEFAULT_CROSSOVER_CHARS,
                  max_queue: int = 4):
         self.cpu = cpu_engine
         self.gpu = gpu_engine
@@ -259,12 +265,26 @@ class FreshCpuEngine:
     """
 
     name = "cpu"
+    #: (the tokenizer chunks long texts on its own pool; callers need not)
+    releases_gil = False
+    accepts_utf8 = False
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: "Tokenizer"):
         self.tokenizer = tokenizer
+
+    @property
+    def version(self) -> str:
+        """The tokenizer's admitted engine's version."""
+        return self.tokenizer.engine.version
 
     def encode(self, text: str) -> np.ndarray:
         return self.tokenizer.encode_fresh(text)[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def reserve(self, n: int) -> None:
+        """Nothing to load here (the tokenizer's chunked encoder reserves for its pool)."""
 
 
 class _OnDevice:
@@ -272,11 +292,14 @@ class _OnDevice:
     context per thread; a request thread other than the one that loaded the engine would get device 0."""
 
     name = "gpu"
+    releases_gil = False
+    accepts_utf8 = False
 
-    def __init__(self, engine, device_id: int):
+    def __init__(self, engine: DeviceEngine, device_id: int):
         from numba import cuda
 
         self.engine, self.device_id, self._gpus = engine, device_id, cuda.gpus
+        self.version = engine.version
 
     def accepts(self, text: str) -> bool:
         return self.engine.accepts(text)
@@ -285,9 +308,12 @@ class _OnDevice:
         with self._gpus[self.device_id]:
             return self.engine.encode(text)
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         with self._gpus[self.device_id]:
             return self.engine.encode_batch(texts)
+
+    def reserve(self, n: int) -> None:
+        """Nothing to load: the router serializes device calls."""
 
 
 def _new_gpu_engine(path: str, device_id: int):
@@ -311,7 +337,7 @@ def _new_gpu_engine(path: str, device_id: int):
         return _OnDevice(GpuEngine(path), device_id)
 
 
-def gpu_router_for(tokenizer, *, device_id: int = 0, crossover_chars: int = DEFAULT_CROSSOVER_CHARS,
+def gpu_router_for(tokenizer: "Tokenizer", *, device_id: int = 0, crossover_chars: int = DEFAULT_CROSSOVER_CHARS,
                    max_queue: int = 4, engine_factory=None) -> GpuRouter:
     """The router of a GPU model instance: ``GpuEngine`` on ``device_id``, admitted by the canary.
 
@@ -353,7 +379,7 @@ def gpu_router_for(tokenizer, *, device_id: int = 0, crossover_chars: int = DEFA
     return GpuRouter(cpu, gpu, crossover_chars=crossover_chars, max_queue=max_queue)
 
 
-def measure_crossover(cpu_engine, gpu_engine, texts_by_size: dict[int, str], *, repeats: int = 5) -> int:
+def measure_crossover(cpu_engine: Engine, gpu_engine: Engine, texts_by_size: dict[int, str], *, repeats: int = 5) -> int:
     """Smallest size (chars) from ``texts_by_size`` at and above which the GPU engine's median encode
     time beats the CPU engine's; ``max(sizes) + 1`` when it never does. Checks ids are equal first.
 

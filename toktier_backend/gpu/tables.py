@@ -26,7 +26,7 @@ import numpy as np
 from toktier_backend.errors import UnsupportedTokenizer
 from toktier_backend.pipeline.cuts import deepseek_v3 as _ds_cut
 from toktier_backend.pipeline.cuts import cl100k as _cl_cut
-from toktier_backend.spec import _bytes_to_unicode, _walk
+from toktier_backend.spec import bytes_to_unicode, walk_components
 from toktier_backend.gpu import predicates
 
 INF_RANK = 0x7FFFFFFF
@@ -174,11 +174,11 @@ def detect_gpu_family(config: dict) -> tuple[str | None, bool, str]:
     for a in config.get("added_tokens") or []:
         if a.get("lstrip") or a.get("rstrip") or a.get("single_word"):
             return None, False, "added tokens with lstrip/rstrip/single_word"
-    norm = [leaf.get("type") for leaf in _walk(config.get("normalizer"))]
+    norm = [leaf.get("type") for leaf in walk_components(config.get("normalizer"))]
     if any(t != "NFC" for t in norm):
         return None, False, f"normalizer {norm} is not implemented on the GPU path"
     nfc = bool(norm)
-    pre = _walk(config.get("pre_tokenizer"))
+    pre = walk_components(config.get("pre_tokenizer"))
     if not pre or pre[-1].get("type") != "ByteLevel" or pre[-1].get("add_prefix_space"):
         return None, nfc, "pre-tokenizer does not end in ByteLevel(add_prefix_space=False)"
     splits, last = pre[:-1], pre[-1]
@@ -279,9 +279,9 @@ class GpuTables:
             raise UnsupportedTokenizer(f"{path}: GPU path unsupported: {reason}")
         model = config["model"]
         vocab: dict[str, int] = model["vocab"]
-        u2b = {u: b for b, u in _bytes_to_unicode().items()}
+        u2b = {u: b for b, u in bytes_to_unicode().items()}
         byte_ids = np.empty(256, dtype=np.int32)
-        for b, u in _bytes_to_unicode().items():
+        for b, u in bytes_to_unicode().items():
             if u not in vocab:
                 raise UnsupportedTokenizer(f"{path}: byte {b:#04x} ({u!r}) is not in the vocabulary")
             byte_ids[b] = vocab[u]

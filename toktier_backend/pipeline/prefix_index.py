@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 STEP = 16384
 BUDGET = 256 * 1024 * 1024
 _FP = 32  # chars of fingerprint before a cut
+#: Longest the background indexer waits for a running chunked encode before each chunk (seconds): under a
+#: stream of long requests it still makes progress (its queue is bounded; a full queue drops inserts).
+YIELD_S = 0.05
 
 
 def blake2b_chain(parent: bytes, chunk: str) -> bytes:
@@ -149,6 +152,11 @@ class PrefixIndex:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self.chars_reused = 0
+        #: ``(timeout_s) -> bool``, or ``None``: the background indexer calls it before each chunk and it
+        #: blocks while a chunked encode runs (at most ``timeout_s``; the tokenizer passes its pool's
+        #: ``CpuPool.wait_chunks_idle``), so an insert never takes a core or GIL turns from the next
+        #: request's chunk workers.
+        self.yield_to = None
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -223,44 +231,67 @@ class PrefixIndex:
 
         ``after``: a confirmed hit on ``text``: indexing continues from its cut (the reused prefix is
         neither re-hashed nor re-scanned). Returns the number of nodes added.
+
+        The work per chunk (cut, normalized length, digest, a copy of its ids and the region's text) is
+        done without the lock; the lock is held only to link the new nodes, so a concurrent
+        :meth:`lookup` (the next request) never waits for the hashing.
         """
+        return self._insert(text, body_ids, after, background=False)
+
+    def _insert(self, text: str, body_ids: np.ndarray, after: PrefixHit | None, *, background: bool) -> int:
+        """:meth:`insert`; ``background`` (the indexer thread): wait for :attr:`yield_to` first and before
+        each chunk."""
+        pause = self.yield_to if background else None
+        if pause is not None:
+            pause(YIELD_S)
         key, start, parent, tok = b"", 0, None, 0
         if after is not None:
             key, start, parent, tok = after.node.key, after.cut, after.node, after.n_tokens
         cuts = [c for c in self.finder.grid_cuts(text, self.step, lo_index=start // self.step) if c > start]
         tail_ends = np.cumsum(self.token_nbytes[body_ids[tok:]], dtype=np.int64)
         first = tok  # body ids before `start`
-        nb, added = 0, 0  # normalized bytes from the first `start` to `c`
+        nb = 0  # normalized bytes from the first `start` to `c`
+        plan: list[tuple[bytes, int, int, np.ndarray]] = []  # (digest, start, end, ids) per chunk
+        s, t = start, tok
+        for c in cuts:
+            if pause is not None:
+                pause(YIELD_S)
+            chunk = text[s:c]
+            nb += self.normalized_nbytes(chunk)
+            end_tok = int(np.searchsorted(tail_ends, np.int64(nb), side="right"))
+            if end_tok == 0 or tail_ends[end_tok - 1] != nb:  # not a token boundary: stop
+                break
+            k = first + end_tok - t  # ids in this chunk
+            key = self.digest(key, chunk)
+            plan.append((key, s, c, body_ids[t : t + k].copy()))
+            s, t = c, t + k
+        if not plan:
+            return 0
+        whole = text[plan[0][1] : plan[-1][2]]  # the region's text if every planned chunk is new
+        added = 0
         with self._lock:
             region = _Region("")  # the text of the nodes added here, set once they are known
             lo = hi = None
-            for c in cuts:
-                chunk = text[start:c]
-                nb += self.normalized_nbytes(chunk)
-                end_tok = int(np.searchsorted(tail_ends, np.int64(nb), side="right"))
-                if end_tok == 0 or tail_ends[end_tok - 1] != nb:  # not a token boundary: stop
-                    break
-                k = first + end_tok - tok  # ids in this chunk
-                key = self.digest(key, chunk)
+            for key, s, c, ids in plan:
                 node = self._nodes.get(key)
-                if node is not None and (node.start != start or node.chunk != chunk or node.parent is not parent):
+                if node is not None and (node.start != s or node.length != c - s or node.parent is not parent
+                                         or node.chunk != text[s:c]):
                     self.collisions += 1  # a colliding digest: never chain through someone else's node
                     break
                 if node is None:
-                    ids = body_ids[tok : tok + k].copy()
-                    node = _Node(key, parent, start, c - start, region, 0, ids, tok + k, ids.nbytes + 300)
+                    node = _Node(key, parent, s, c - s, region, 0, ids, tok + len(ids), ids.nbytes + 300)
                     self._nodes[key] = node
                     self._by_fp[self._fp(text, c)] = node
                     self.nbytes += node.nbytes
                     region.live += 1
-                    lo = start if lo is None else lo
+                    lo = s if lo is None else lo
                     hi = c
                     added += 1
                 self._nodes.move_to_end(key)
                 node.used = self.clock()
-                parent, start, tok = node, c, tok + k
+                parent, tok = node, tok + len(ids)
             if added:
-                region.text = text[lo:hi]
+                region.text = whole if (lo, hi) == (plan[0][1], plan[-1][2]) else text[lo:hi]
                 region.nbytes = sys.getsizeof(region.text)
                 self.nbytes += region.nbytes
                 for x in _chain(parent):  # every node added here is on this chain
@@ -303,7 +334,7 @@ class PrefixIndex:
         while True:
             text, body_ids, after = self._queue.get()
             try:
-                self.insert(text, body_ids, after=after)
+                self._insert(text, body_ids, after, background=True)
             except Exception:  # an index failure only loses reuse, never a reply
                 log.exception("prefix index insert failed")
             finally:

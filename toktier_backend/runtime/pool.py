@@ -85,10 +85,9 @@ class CpuPool:
         window: how many recent tasks per priority :meth:`stats` computes percentiles over.
         pin: while a general worker runs a :data:`CHUNK` task, pin it to a CPU of its own (worker ``i`` to the
             ``i``-th CPU this process may use, modulo their number; Linux ``sched_setaffinity`` on the thread),
-            and give it back the whole set after. Why: on this 2-core VM (Linux 6.18) the scheduler, waking
-            two chunk workers from a busy thread, put both on one core in most runs and kept them there for
-            most of a 4M-char encode (two 2M-char chunks: 17.5 ms p50 unpinned vs 13.4 ms pinned, the same
-            CPU time, n=24). Repairs are never pinned. Off where the process may use one CPU or there is no
+            and give it back the whole set after. Why: the scheduler, waking two chunk workers from a busy
+            thread, may put both on one core and keep them there for most of a long encode
+            (``docs/design/parallel.md``). Repairs are never pinned. Off where the process may use one CPU or there is no
             ``sched_setaffinity``; an ``OSError`` (the allowed set changed) leaves the worker unpinned. A
             thread started inside a pinned task inherits the pin, so chunk tasks must start none (gigatoken's
             ``encode_batch_padded(parallel=False)`` starts none; a Rust pool created lazily there, as
@@ -115,6 +114,7 @@ class CpuPool:
         self._cpus = _allowed_cpus() if pin else []
         self.pin = len(self._cpus) > 1 and self.workers > 1
         self._lock = threading.Lock()
+        self._each_lock = threading.Lock()  # run_on_each_worker
         self._cv = threading.Condition(self._lock)  # general workers wait here
         self._cv_express = threading.Condition(self._lock)  # express threads wait here
         self._idle_express = 0
@@ -128,6 +128,10 @@ class CpuPool:
         #: Tasks running now (on workers, or on a worker's behalf by a helping caller, or inline repairs).
         self.in_flight = 0
         self._repairs_running = 0
+        #: Set while no CHUNK task is queued or running (:meth:`wait_chunks_idle`).
+        self._chunks_active = 0
+        self._chunks_idle = threading.Event()
+        self._chunks_idle.set()
         self.submitted = {REPAIR: 0, CHUNK: 0}
         self.completed = {REPAIR: 0, CHUNK: 0}
         self._wait_sum_ms = {REPAIR: 0.0, CHUNK: 0.0}
@@ -154,6 +158,9 @@ class CpuPool:
                 raise RuntimeError(f"pool {self.name!r} is shut down")
             heapq.heappush(self._heap, (key, next(self._seq), task))
             self._queued[task.priority] += 1
+            if task.priority == CHUNK:
+                self._chunks_active += 1
+                self._chunks_idle.clear()
             self.submitted[task.priority] += 1
             if not self._threads:
                 for i in range(self.workers + self.express):
@@ -169,8 +176,8 @@ class CpuPool:
 
         A :data:`REPAIR` runs at once on the calling thread (not in a FIFO pool), counted in :meth:`stats`
         with a wait of 0 and seen by :attr:`repairs_active` (chunk conversions yield the GIL to it): the
-        caller's thread is already running, and handing the repair to a pool thread cost a wake-up and two
-        GIL hand-offs (mixed load, 2 cores, 4M-char encodes: repair p50 0.45 -> 0.24 ms, p90 3.05 -> 0.57).
+        caller's thread is already running, and handing the repair to a pool thread costs a wake-up and two
+        GIL hand-offs (``docs/design/parallel.md``).
         In a FIFO pool, and for :data:`CHUNK`, it is queued like :meth:`submit`. Called from a pool worker it
         runs inline: the caller already holds a worker.
         """
@@ -185,6 +192,12 @@ class CpuPool:
         """Repairs queued or running now (inline ones included). A chunked encode's UTF-8 conversion checks
         it between pieces and releases the GIL while it is non-zero (``ChunkedEncoder``)."""
         return self._queued[REPAIR] + self._repairs_running
+
+    def wait_chunks_idle(self, timeout: float | None = None) -> bool:
+        """Block until no :data:`CHUNK` task is queued or running (at most ``timeout`` seconds); ``True``
+        if none is. Background work that would take a core and GIL turns from a chunked encode's pinned
+        workers (the prefix index's inserts, ``pipeline/prefix_index.py``) waits here between steps."""
+        return self._chunks_idle.wait(timeout)
 
     def _run_inline(self, fn: Callable[..., Any], args: tuple) -> Any:
         with self._cv:
@@ -218,6 +231,27 @@ class CpuPool:
                 if self._claim(task):
                     self._run(task, helped=True)
         return [t.future.result() for t in tasks]
+
+    def run_on_each_worker(self, fn: Callable[[], Any], *, timeout: float = 30.0) -> list:
+        """``fn()`` once on every general worker thread, all at once (each task waits at a barrier until
+        every worker holds one, so no worker takes two), as :data:`CHUNK` tasks (pinned where the pool pins);
+        results in task order. For per-thread warm-up at load (``ChunkedEncoder.prepare``).
+
+        Raises:
+            RuntimeError: called from one of this pool's workers (it would wait for itself).
+            threading.BrokenBarrierError: the workers were not all free within ``timeout`` seconds.
+            Whatever ``fn`` raises.
+        """
+        if self.in_worker():
+            raise RuntimeError(f"pool {self.name!r}: run_on_each_worker called from one of its workers")
+        barrier = threading.Barrier(self.workers)
+
+        def task():
+            barrier.wait(timeout)
+            return fn()
+
+        with self._each_lock:  # one set at a time: two interleaved sets would each hold a worker at a barrier
+            return [f.result() for f in [self.submit(task, priority=CHUNK) for _ in range(self.workers)]]
 
     def in_worker(self) -> bool:
         """Is the calling thread one of this pool's workers?"""
@@ -312,6 +346,10 @@ class CpuPool:
             self._wait_max_ms[p] = max(self._wait_max_ms[p], wait_ms)
             self._waits[p].append(wait_ms)
             self._runs[p].append(run_ms)
+            if p == CHUNK:
+                self._chunks_active -= 1
+                if not self._chunks_active:
+                    self._chunks_idle.set()
         if task.future.cancelled():
             return
         if exc is not None:
@@ -380,6 +418,13 @@ def shared_pool() -> CpuPool:
         return _shared
 
 
+def shared_pool_if_started() -> CpuPool | None:
+    """The process-wide pool if :func:`shared_pool` or :func:`configure_shared_pool` created one, else ``None``
+    (never creates one: metrics read its stats without starting threads)."""
+    with _shared_lock:
+        return _shared
+
+
 def configure_shared_pool(workers: int | None = None, *, express: int = 1, nice: int = 0,
                           pin: bool = True) -> CpuPool:
     """Replace the process-wide pool (a serving process sets its size, express threads, nice value and pinning at
@@ -392,42 +437,5 @@ def configure_shared_pool(workers: int | None = None, *, express: int = 1, nice:
     return _shared
 
 
-_pin_lock = threading.Lock()
-
-
-def _pinned_call(fn: Callable[[], Any], helpers: list[int]) -> Any:
-    """``fn()`` with the calling thread pinned to the first CPU this process may use and ``helpers`` (native
-    thread ids: an engine's own threads) to the others, round robin; every affinity is restored after.
-
-    One call at a time is pinned (a second concurrent one runs unpinned rather than share the CPUs); an
-    ``OSError`` (a helper ended, the allowed set changed) leaves the threads as they are and ``fn`` runs
-    anyway. Why: see ``FastokensEngine.helper_threads``.
-    """
-    cpus = _allowed_cpus()
-    if len(cpus) < 2 or not helpers or not _pin_lock.acquire(blocking=False):
-        return fn()
-    try:
-        mine = os.sched_getaffinity(0)
-        try:
-            os.sched_setaffinity(0, {cpus[0]})
-            for i, tid in enumerate(helpers):
-                os.sched_setaffinity(tid, {cpus[1 + i % (len(cpus) - 1)]})
-        except OSError as e:
-            log.debug("cannot pin an encode and its engine's threads (%s); running unpinned", e)
-        try:
-            return fn()
-        finally:
-            for tid in helpers:
-                try:
-                    os.sched_setaffinity(tid, cpus)
-                except OSError:  # the thread ended
-                    pass
-            try:
-                os.sched_setaffinity(0, mine)
-            except OSError:  # pragma: no cover - the allowed set shrank meanwhile: take what is allowed now
-                os.sched_setaffinity(0, _allowed_cpus() or cpus)
-    finally:
-        _pin_lock.release()
-
-
-__all__ = ["CHUNK", "REPAIR", "CpuPool", "configure_shared_pool", "default_workers", "shared_pool"]
+__all__ = ["CHUNK", "REPAIR", "CpuPool", "configure_shared_pool", "default_workers", "shared_pool",
+           "shared_pool_if_started"]

@@ -740,7 +740,7 @@ class ServingCore:
         if self.router is None:
             ids, where = self.tokenizer.encode(value, add_special_tokens=flag), "cpu_instance"
         else:
-            ids, where = self.tokenizer._encode_with(value, flag, self._routed_body)
+            ids, where = self.tokenizer.encode_with_body(value, flag, self._routed_body)
             if where == "reference":
                 where = "cpu_reference"
         ids = np.asarray(ids, dtype=np.int32)

@@ -273,8 +273,8 @@ def _shared_pool_stats() -> dict | None:
     """``toktier_backend.runtime.pool``'s shared pool ``stats()`` once that module has created it; else None
     (this never creates a pool)."""
     mod = sys.modules.get("toktier_backend.runtime.pool")
-    pool = getattr(mod, "_shared", None) if mod is not None else None
-    return pool.stats() if pool is not None and hasattr(pool, "stats") else None
+    pool = mod.shared_pool_if_started() if mod is not None else None
+    return pool.stats() if pool is not None else None
 
 
 # ---------------------------------------------------------------- reading (tests, soak, dashboards)

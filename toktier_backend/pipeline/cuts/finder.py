@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
-from toktier_backend.spec import TokenizerSpec, _walk
+from toktier_backend.spec import TokenizerSpec, walk_components
 from toktier_backend.pipeline.cuts import cl100k, deepseek_v3, gpt2, o200k, segments
 from toktier_backend.pipeline.cuts.added_tokens import AddedTokenSeams
 
@@ -43,10 +43,10 @@ def detect_family(spec: TokenizerSpec) -> tuple[ModuleType | None, str]:
         return None, "ids cannot be mapped to text offsets: " + "; ".join(spec.notes)
     if any(a.lstrip or a.rstrip or a.single_word for a in spec.added):
         return None, "added tokens with lstrip/rstrip/single_word: their whitespace rules are not proven"
-    norm = [leaf.get("type") for leaf in _walk(spec.config.get("normalizer"))]
+    norm = [leaf.get("type") for leaf in walk_components(spec.config.get("normalizer"))]
     if norm and any(a.normalized for a in spec.added):
         return None, "added tokens matched on normalized text under a non-trivial normalizer"
-    pre = _walk(spec.config.get("pre_tokenizer"))
+    pre = walk_components(spec.config.get("pre_tokenizer"))
     types = [leaf.get("type") for leaf in pre]
     for leaf in pre:
         if leaf.get("type") == "ByteLevel" and leaf.get("add_prefix_space"):
