@@ -3,7 +3,8 @@
 Sessions start from slices of real SWE-agent trajectories and then take random steps: appends (real
 continuations, hazard-rich random text, seam-trap halves), edits anywhere, truncations, and appends
 through ``update``. Every step's ids are compared with ``Tokenizer.from_file(...).encode(text,
-add_special_tokens=flag).ids``. The number of steps is ``--fuzz-steps`` per file; the seed is fixed per
+add_special_tokens=flag).ids``, and with the slow twin of the repair (``pipeline/reference.py``, HF encodes
+on plain lists) run on the same steps: same body ids, and the same route, cut, kept ids and widenings. The number of steps is ``--fuzz-steps`` per file; the seed is fixed per
 file unless ``TOKTIER_FUZZ_SEED`` says otherwise (see :func:`fuzz_seed`; exploration:
 ``TOKTIER_FUZZ_SEED=random python -m pytest tests/pipeline/test_session_fuzz.py``).
 """
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 
 import toktier_backend as tt
+
+from toktier_backend.pipeline import reference as twin
 
 from ..conftest import NAMES, load, reference
 from .hazards import SEAM_TRAPS, random_text
@@ -52,19 +55,34 @@ def run_fuzz(name: str, steps: int, corpus: str, seed: int) -> dict:
     rng = random.Random(seed)
     routes: dict[str, int] = {}
     done = 0
+
+    def encode(t: str) -> list[int]:
+        return ref.encode(t, add_special_tokens=False).ids
+
+    cut_rule = tok.cuts.is_stable_cut if tok.cuts.supported else None
     while done < steps:
         flag = rng.random() < 0.5
         s = tok.session(add_special_tokens=flag)
+        pre = len(tok.spec.prefix_ids) if flag else 0  # constant post-processor on every shared file
+        suf = len(tok.spec.suffix_ids) if flag else 0
         i = rng.randrange(len(corpus))
         text = corpus[i : i + rng.randint(0, 2000)]
         s.update(text)
+        slow = twin.repair("", [], text, encode=encode, is_stable_cut=cut_rule, first=True)
         log = [(text, s.ids.copy())]
         while done < steps and len(text) < MAX_TEXT:
             new, delta = _next_text(rng, text, corpus)
             ids = s.append(delta) if delta is not None and rng.random() < 0.7 else s.update(new)
+            slow = twin.repair(text, slow.body, new, encode=encode, is_stable_cut=cut_rule)
+            info = s.last_repair
+            where = f"{name} flag={flag} seed={seed} step {done}: text {new[-80:]!r} (len {len(new)})"
+            assert ids[pre : len(ids) - suf].tolist() == slow.body, "fast vs twin ids: " + where
+            assert (info.route, info.cut, info.widenings) == (slow.route, slow.cut, slow.widenings), (info, slow, where)
+            if info.route in ("append", "edit"):
+                assert info.reused - pre == slow.keep, (info, slow, where)
             text = new
             log.append((text, ids.copy()))
-            routes[s.last_repair.route] = routes.get(s.last_repair.route, 0) + 1
+            routes[info.route] = routes.get(info.route, 0) + 1
             done += 1
         want = ref.encode_batch([t for t, _ in log], add_special_tokens=flag)
         for (t, got), w in zip(log, want):
