@@ -50,7 +50,8 @@ LABELS = {
     "gigatoken": "gigatoken full re-encode",
     "hf": "HF full re-encode",
 }
-COLORS = {"ours": "tab:blue", "ours_keep": "tab:purple", "toktier": "tab:orange", "gigatoken": "tab:green", "hf": "tab:red"}
+COLORS = {"ours": "tab:blue", "ours_keep": "tab:purple", "toktier": "tab:orange", "gigatoken": "tab:green",
+          "hf": "tab:red"}
 
 
 # -- corpus ---------------------------------------------------------------------------------------
