@@ -37,7 +37,7 @@ from toktier_backend.errors import EngineUnavailable, InvalidRequest, ToktierErr
 from toktier_backend.pipeline.chunked import ChunkedEncoder
 from toktier_backend.pipeline.cuts import CutFinder
 from toktier_backend.pipeline.prefix_index import PrefixIndex
-from toktier_backend.pipeline.repair import WIDENINGS, WINDOW, Encoders, RepairInfo, departure, repair  # noqa: F401
+from toktier_backend.pipeline.repair import WIDENINGS, WINDOW, RepairInfo, departure, repair  # noqa: F401
 from toktier_backend.pipeline.repair import common_prefix_len as _common_prefix_len
 from toktier_backend.pipeline.text_store import TextStore
 from toktier_backend.pipeline.token_buffer import TokenBuffer
@@ -342,11 +342,7 @@ class Session:
         self.last_repair = RepairInfo()
         self.requests = 0
         self._epoch = tokenizer.quarantine_epoch  # ids built under this quarantine state
-        self._enc = Encoders(
-            cuts=tokenizer.cuts, token_nbytes=spec.token_nbytes, normalized_nbytes=spec.normalized_nbytes,
-            encode_body=tokenizer.encode_body, encode_fresh=tokenizer.encode_fresh,
-            encode_reference=tokenizer._hf.encode, fallback_reason=tokenizer._fallback_reason,
-        )
+        self._enc = _RepairEncoders(tokenizer)
         if self._reference_only:
             self._ref_ids = _read_only(tokenizer.encode("", add_special_tokens=add_special_tokens))
         else:
@@ -435,6 +431,38 @@ class Session:
             self._epoch = tok.quarantine_epoch
         self.last_repair = info
         return self._buf.ids()
+
+
+class _RepairEncoders:
+    """A tokenizer as :class:`toktier_backend.pipeline.repair.Encoders` (one pointer per session)."""
+
+    __slots__ = ("_tok",)
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+
+    @property
+    def cuts(self) -> CutFinder:
+        return self._tok.cuts
+
+    @property
+    def token_nbytes(self) -> np.ndarray | None:
+        return self._tok.spec.token_nbytes
+
+    def normalized_nbytes(self, text: str) -> int:
+        return self._tok.spec.normalized_nbytes(text)
+
+    def encode_body(self, text: str, *, route: str) -> tuple[np.ndarray, str]:
+        return self._tok.encode_body(text, route=route)
+
+    def encode_fresh(self, text: str) -> tuple[np.ndarray, str]:
+        return self._tok.encode_fresh(text)
+
+    def encode_reference(self, text: str) -> np.ndarray:
+        return self._tok._hf.encode(text)
+
+    def fallback_reason(self, text: str, route: str) -> str:
+        return self._tok._fallback_reason(text, route)
 
 
 def _read_only(ids: np.ndarray) -> np.ndarray:

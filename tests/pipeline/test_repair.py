@@ -4,7 +4,6 @@ here. The encoders are handed in, so a fake one (a wrong engine) can be given wi
 from __future__ import annotations
 
 import ast
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -16,22 +15,38 @@ from toktier_backend.pipeline.token_buffer import TokenBuffer
 from ..conftest import load, reference
 
 
+class FakeEncoders:
+    """An :class:`Encoders` on the HF reference alone; ``over`` replaces any method (a wrong engine)."""
+
+    def __init__(self, name: str, **over):
+        tok, self.ref = load(name), reference(name)
+        self.cuts, self.token_nbytes = tok.cuts, tok.spec.token_nbytes
+        self.normalized_nbytes = tok.spec.normalized_nbytes
+        self.__dict__.update(over)
+
+    def hf(self, t: str) -> np.ndarray:
+        return np.asarray(self.ref.encode(t, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_body(self, t, *, route):
+        return self.hf(t), "hf"
+
+    def encode_fresh(self, t):
+        return self.hf(t), "hf"
+
+    def encode_reference(self, t):
+        return self.hf(t)
+
+    def fallback_reason(self, t, route):
+        return ""
+
+
 def _state(name: str, text: str, **over):
     """A store, a buffer and encoders of file ``name`` (body ids, no post-processor), holding ``text``."""
-    tok, ref = load(name), reference(name)
-    spec = tok.spec
-
-    def hf(t: str) -> np.ndarray:
-        return np.asarray(ref.encode(t, add_special_tokens=False).ids, dtype=np.int32)
-
-    enc = R.Encoders(cuts=tok.cuts, token_nbytes=spec.token_nbytes, normalized_nbytes=spec.normalized_nbytes,
-                     encode_body=lambda t, *, route: (hf(t), "hf"), encode_fresh=lambda t: (hf(t), "hf"),
-                     encode_reference=hf, fallback_reason=lambda t, route: "")
-    enc = dataclasses.replace(enc, **over)
+    enc = FakeEncoders(name, **over)
     store, buf = TextStore(), TokenBuffer(np.zeros(0, np.int32), np.zeros(0, np.int32))
-    buf.splice(0, hf(text), spec.token_nbytes)
+    buf.splice(0, enc.hf(text), enc.token_nbytes)
     store.replace(text)
-    return store, buf, enc, ref
+    return store, buf, enc, enc.ref
 
 
 def test_append_takes_the_last_cut_before_the_departure_point():
@@ -91,7 +106,7 @@ def test_an_encoder_error_leaves_the_state_unchanged():
         raise RuntimeError("engine down")
 
     before = buf.ids()
-    enc = dataclasses.replace(enc, encode_body=boom)
+    enc.encode_body = boom
     try:
         R.repair(enc, store, buf, " five", whole=False, d=len(text), force_reference=False, quarantined=(),
                  first=False)

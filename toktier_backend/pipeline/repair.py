@@ -17,8 +17,9 @@ tokenizer comes in a :class:`Encoders`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Container
+from collections.abc import Container
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -64,28 +65,35 @@ class RepairInfo:
     fallback: str = ""
 
 
-@dataclass(frozen=True)
-class Encoders:
-    """What the repair needs from one tokenizer (``toktier_backend.tokenizer.Session`` builds it).
+class Encoders(Protocol):
+    """What the repair needs from one tokenizer (``toktier_backend.tokenizer`` hands one in per session).
 
     Attributes:
         cuts: the file's cut finder.
         token_nbytes: ``int32[vocab]``: normalized UTF-8 bytes per id (``spec.token_nbytes``); ``None``
             when unproven (then no cut is searched).
-        normalized_nbytes: ``(text) -> int``: normalized UTF-8 bytes of a text (``spec.normalized_nbytes``).
-        encode_body: ``(text, *, route) -> (int32[n] body ids, engine name)``: the tail's encode.
-        encode_fresh: ``(text) -> (int32[n], engine name)``: a whole text with no session state.
-        encode_reference: ``(text) -> int32[n]``: body ids from the HF reference.
-        fallback_reason: ``(text, route) -> str``: why ``encode_body`` answered with the reference.
     """
 
-    cuts: CutFinder
-    token_nbytes: np.ndarray | None
-    normalized_nbytes: Callable[[str], int]
-    encode_body: Callable[..., tuple[np.ndarray, str]]
-    encode_fresh: Callable[[str], tuple[np.ndarray, str]]
-    encode_reference: Callable[[str], np.ndarray]
-    fallback_reason: Callable[[str, str], str]
+    @property
+    def cuts(self) -> CutFinder: ...
+
+    @property
+    def token_nbytes(self) -> np.ndarray | None: ...
+
+    def normalized_nbytes(self, text: str) -> int:
+        """Normalized UTF-8 bytes of ``text`` (``spec.normalized_nbytes``)."""
+
+    def encode_body(self, text: str, *, route: str) -> tuple[np.ndarray, str]:
+        """``(int32[n] body ids, engine name)`` of a repaired tail, served on ``route``."""
+
+    def encode_fresh(self, text: str) -> tuple[np.ndarray, str]:
+        """``(int32[n] body ids, engine name)`` of a whole text with no session state."""
+
+    def encode_reference(self, text: str) -> np.ndarray:
+        """``int32[n]`` body ids from the HF reference."""
+
+    def fallback_reason(self, text: str, route: str) -> str:
+        """Why ``encode_body`` / ``encode_fresh`` answered ``text`` with the reference."""
 
 
 def departure(store: TextStore, new: str, *, whole: bool) -> int:
