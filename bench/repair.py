@@ -6,7 +6,10 @@ For each tokenizer and context size (chars), a session text is built from the SW
 after another to that *growing* session. Each system runs all samples in turn (ours, toktier,
 gigatoken, then HF), one at a time, on the same texts:
 
-- ``ours``: ``Session.append(delta)`` on a session warmed with ``update(base)`` (returns all ids);
+- ``ours``: ``Session.append(delta)`` on a session warmed with ``update(base)`` (returns all ids); the caller
+  copies each reply (untimed) and drops it before the next call;
+- ``ours_keep``: the same on a second session, the caller keeping every reply it was given (no copy): replies
+  are never changed by later calls, so the buffer copies on write when a held reply would see a change;
 - ``toktier``: toktier 0.3.0 session append (``tok.encode(transcript, session=id)``), where it runs;
 - ``gigatoken``: full re-encode of the whole new text;
 - ``hf``: HF ``tokenizers`` full re-encode of the whole new text (the reference).
@@ -39,14 +42,16 @@ import anchors as A  # noqa: E402
 
 A.ensure_repo_on_path()
 
-SYSTEMS = ("ours", "toktier", "gigatoken", "hf")
+SYSTEMS = ("ours", "ours_keep", "toktier", "gigatoken", "hf")
 LABELS = {
     "ours": "ours Session.append",
+    "ours_keep": "ours, caller keeps replies",
     "toktier": "toktier 0.3.0 session append",
     "gigatoken": "gigatoken full re-encode",
     "hf": "HF full re-encode",
 }
-COLORS = {"ours": "tab:blue", "toktier": "tab:orange", "gigatoken": "tab:green", "hf": "tab:red"}
+COLORS = {"ours": "tab:blue", "ours_keep": "tab:purple", "toktier": "tab:orange", "gigatoken": "tab:green",
+          "hf": "tab:red"}
 
 
 # -- corpus ---------------------------------------------------------------------------------------
@@ -113,6 +118,9 @@ def run_size(ctx: dict, size: int, deltas: list[str], args) -> dict:
     s = tok.session(add_special_tokens=special)
     update_ms, _ = timed(lambda: s.update(base))
     s.append(warm)
+    s_keep = tok.session(add_special_tokens=special)
+    s_keep.update(base)
+    s_keep.append(warm)
     tt_start_ms = None
     if tts is not None:
         tt_start_ms, _ = timed(lambda: tts.start(base))
@@ -123,13 +131,19 @@ def run_size(ctx: dict, size: int, deltas: list[str], args) -> dict:
     # HF encode (the reference, or toktier's llama3_1 route) churns hundreds of MB and made the next call
     # of any system several times slower than it runs alone. Ids are copied, untimed, for the checks.
     ms = {k: [] for k in SYSTEMS}
-    got = {k: [] for k in ("ours", "toktier", "gigatoken")}
+    got = {k: [] for k in ("ours", "ours_keep", "toktier", "gigatoken")}
     routes, tt_routes = Counter(), Counter()
-    for delta in samples:  # ours
+    for delta in samples:  # ours: the caller copies the reply and drops it before the next call
         t, ids = timed(lambda: s.append(delta))
         ms["ours"].append(t)
-        got["ours"].append(np.array(ids, dtype=np.int32))  # a view valid until the next call: copy
+        got["ours"].append(np.array(ids, dtype=np.int32))
+        del ids
         routes[str(s.last_repair.route)] += 1
+    for delta in samples:  # ours_keep: the caller holds every reply; they are checked against HF at the end
+        t, ids = timed(lambda: s_keep.append(delta))
+        ms["ours_keep"].append(t)
+        got["ours_keep"].append(ids)
+    del ids
     ends = []
     for delta in samples:
         text += delta
@@ -161,7 +175,8 @@ def run_size(ctx: dict, size: int, deltas: list[str], args) -> dict:
         else:  # --verify gigatoken: gigatoken stands in (it is checked against HF on the HF samples)
             want_ours = want_core = np.asarray(got["gigatoken"][k], dtype=np.int64)  # special is off here
             against = "gigatoken"
-        for name, want in (("ours", want_ours), ("toktier", want_core), ("gigatoken", want_core)):
+        for name, want in (("ours", want_ours), ("ours_keep", want_ours), ("toktier", want_core),
+                           ("gigatoken", want_core)):
             if not got[name] or (name == "gigatoken" and against == "gigatoken"):
                 continue
             checked[name] += 1
@@ -291,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "checkout": A.core_revision(),
+        "module": tt.__file__,
         "versions": {m: A._version(m) for m in ("toktier_backend", "tokenizers", "gigatoken", "toktier")},
         "session_mode": "one growing session per size: update(base), 1 untimed warm-up append, then "
                         "--samples timed appends, each to the text the previous one produced; systems run "
@@ -298,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizers": {},
     }
     t_start = time.perf_counter()
+    print(f"toktier_backend from {tt.__file__} (checkout {results['checkout']})", flush=True)
     for name in args.tokenizers.split(","):
         path = A.tokenizer_path(name, shared)
         print(f"\n=== {name} ({path})", flush=True)
@@ -338,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     total_bad = 0
     for name, entry in results["tokenizers"].items():
         for size, r in entry["sizes"].items():
-            rs = "  ".join(f"{k.split('_')[0]}/ours={A.fmt_ratio(v)}x" for k, v in r["ratios"].items() if v)
+            rs = "  ".join(f"{k.split('_p50')[0]}/ours={A.fmt_ratio(v)}x" for k, v in r["ratios"].items() if v)
             mm = {k: v["mismatches"] for k, v in r["systems"].items() if k != "hf"}
-            total_bad += mm.get("ours", 0)
+            total_bad += mm.get("ours", 0) + mm.get("ours_keep", 0)
             print(f"  {name:<12} {int(size):>9,}  ours p50 {r['systems']['ours']['p50_ms']:8.2f} ms  {rs}  "
                   f"mismatches {mm}")
     print(f"\nwrote {out_dir / 'repair.json'}, {out_dir / 'repair.png'} ({results['wall_s']:.0f} s)")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Callable
@@ -41,6 +40,8 @@ from toktier_backend.errors import EngineUnavailable, InvalidRequest, ToktierErr
 from toktier_backend.pipeline.chunked import ChunkedEncoder
 from toktier_backend.pipeline.cuts import CutFinder
 from toktier_backend.pipeline.prefix_index import PrefixIndex
+from toktier_backend.pipeline.repair import WIDENINGS, WINDOW, RepairInfo, departure, repair  # noqa: F401
+from toktier_backend.pipeline.repair import common_prefix_len as _common_prefix_len
 from toktier_backend.pipeline.text_store import TextStore
 from toktier_backend.pipeline.token_buffer import TokenBuffer
 from toktier_backend.spec import TokenizerSpec, load_spec, resolve_path
@@ -49,9 +50,6 @@ log = logging.getLogger(__name__)
 
 #: Default request size limit (chars); a serving config can lower it.
 MAX_CHARS = 64 * 1024 * 1024
-#: First repair window (chars before the departure point) and how often it is doubled.
-WINDOW = 1024
-WIDENINGS = 5
 #: Routes served by the fast path; each can be quarantined per tokenizer (see ``Tokenizer.quarantine``).
 FAST_ROUTES = ("full", "append", "edit")
 
@@ -98,37 +96,6 @@ def _check_scalars(text: str, start: int = 0, what: str = "text") -> None:
             f"{what} holds a lone surrogate {part[e.start]!r} at char {start + e.start}: not a Unicode scalar value; "
             "send valid UTF-8 text"
         ) from None
-
-
-@dataclass
-class RepairInfo:
-    """What the last request of a session did.
-
-    Attributes:
-        route: ``"full"`` (whole text encoded), ``"append"`` / ``"edit"`` (tail repaired from a cut),
-            ``"noop"`` (text unchanged), ``"reference"`` (whole text through the HF reference: file or
-            flag not supported by the fast path).
-        departure: first char where the new text departs from the old one (chars).
-        cut: the stable cut the tail was re-encoded from (chars; 0 for full encodes).
-        widenings: how many times the search window was doubled (``WIDENINGS + 1`` = none found).
-        reused: ids of the previous reply that are still valid (Triton's ``KEEP``).
-        reencoded: ids produced by this request's encode.
-        engine: ``"fastokens"``, ``"gigatoken"`` or ``"hf"``; ``"fastokens+hf"`` when a chunked encode
-            (``pipeline/chunked.py``) sent some chunks to the reference.
-        fallback: why the reference (or a full encode) served what the fast path would have: ``""`` (it
-            did not), ``"guarded"`` (guarded code point), ``"engine_error"``, ``"quarantined"`` (route
-            quarantined, or the session rebuilt after a quarantine), ``"no_cut"`` (no stable cut in the
-            widest window), ``"offset_check"`` (offsets disagreed after a repair).
-    """
-
-    route: str = "full"
-    departure: int = 0
-    cut: int = 0
-    widenings: int = 0
-    reused: int = 0
-    reencoded: int = 0
-    engine: str = "hf"
-    fallback: str = ""
 
 
 class Tokenizer:
@@ -284,7 +251,7 @@ class Tokenizer:
         return "guarded" if self.admission.has_guarded(text) else "engine_error"
 
     # ------------------------------------------------------------------ encoding
-    def _reference_only(self, add_special_tokens: bool) -> bool:
+    def needs_reference(self, add_special_tokens: bool) -> bool:
         """Requests the fast path cannot serve exactly: non-constant post-processor or truncation/padding."""
         return self.spec.has_truncation_or_padding or (add_special_tokens and self.spec.prefix_ids is None)
 
@@ -366,7 +333,7 @@ class Tokenizer:
             InvalidRequest: as :meth:`encode`.
         """
         _validate(text, self.max_chars, scalars=False)
-        reference_only = self._reference_only(add_special_tokens)
+        reference_only = self.needs_reference(add_special_tokens)
         if reference_only or body_fn != self.encode_fresh:
             # (encode_fresh checks only what it encodes: a chunked text chunk by chunk on the pool, where the
             # whole-text check would be ~2 ms of C under the GIL at 4M chars that a session repair on another
@@ -393,16 +360,18 @@ class Session:
     """Stateful tokenization of one growing or edited text.
 
     Holds the text (blocks, no O(n) copy per append), the ids and the token end offsets. Not thread-safe:
-    the serving layer runs one request per session at a time (Triton's sequence batcher does).
+    the serving layer runs one request per session at a time (Triton's sequence batcher does). The repair
+    itself is :func:`toktier_backend.pipeline.repair.repair`; this class validates and keeps the state.
 
-    Invariant after every call: ``ids == HF encode(text, add_special_tokens=flag).ids``.
+    Invariant after every call: ``ids == HF encode(text, add_special_tokens=flag).ids``. Every array a
+    call returns keeps its values after later calls (the buffer copies on write, ``pipeline/token_buffer.py``).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, add_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.add_special_tokens = add_special_tokens
         spec = tokenizer.spec
-        self._reference_only = tokenizer._reference_only(add_special_tokens)
+        self._reference_only = tokenizer.needs_reference(add_special_tokens)
         empty = np.zeros(0, dtype=np.int32)
         pre = spec.prefix_ids if add_special_tokens and not self._reference_only else empty
         suf = spec.suffix_ids if add_special_tokens and not self._reference_only else empty
@@ -412,8 +381,9 @@ class Session:
         self.last_repair = RepairInfo()
         self.requests = 0
         self._epoch = tokenizer.quarantine_epoch  # ids built under this quarantine state
+        self._enc = _RepairEncoders(tokenizer)
         if self._reference_only:
-            self._ref_ids = tokenizer.encode("", add_special_tokens=add_special_tokens)
+            self._ref_ids = _read_only(tokenizer.encode("", add_special_tokens=add_special_tokens))
         else:
             self._buf.splice(0, empty, spec.token_nbytes if spec.token_nbytes is not None else np.zeros(1, np.int32))
 
@@ -429,7 +399,7 @@ class Session:
 
     @property
     def ids(self) -> np.ndarray:
-        """``np.ndarray[int32] (n,)`` read-only view, valid until the session's next call (copy to keep)."""
+        """``np.ndarray[int32] (n,)``, read-only: the ids of :attr:`text`. Later calls never change it."""
         if self._ref_ids is not None:
             return self._ref_ids
         return self._buf.ids()
@@ -445,19 +415,15 @@ class Session:
         """Full-text mode: ``text`` is the whole new text (an append, an edit, or a truncation).
 
         Returns:
-            ``np.ndarray[int32] (n,)`` read-only view: HF ``encode(text, add_special_tokens=flag).ids``.
+            ``np.ndarray[int32] (n,)``, read-only: HF ``encode(text, add_special_tokens=flag).ids``. Later
+            calls on the session never change it (holding it costs one copy of the ids only when a later
+            call rewrites ids it shows: an edit or truncation, see ``pipeline/token_buffer.py``).
 
         Raises:
             InvalidRequest: bad text; the session is unchanged.
         """
-        tok = self.tokenizer
-        _validate(text, tok.max_chars)
-        old_len = len(self._store)
-        d = self._store.common_prefix(text) if old_len else 0
-        if d == old_len == len(text) and self.requests and not self._stale:
-            return self._noop(d)
-        return self._apply(d, new_tail_from=lambda c: text[c:], new_len=len(text),
-                           commit=lambda: self._store.replace(text), full_text=lambda: text)
+        _validate(text, self.tokenizer.max_chars)
+        return self._serve(text, whole=True)
 
     def append(self, delta: str) -> np.ndarray:
         """Delta mode: the new text is ``self.text + delta``.
@@ -469,11 +435,7 @@ class Session:
         old_len = len(self._store)
         if old_len + len(delta) > tok.max_chars:
             raise InvalidRequest(f"session text would reach {old_len + len(delta)} chars, over the limit of {tok.max_chars}")
-        if not delta and self.requests and not self._stale:
-            return self._noop(old_len)
-        return self._apply(old_len, new_tail_from=lambda c: self._store.tail(c) + delta,
-                           new_len=old_len + len(delta), commit=lambda: self._store.append(delta),
-                           full_text=lambda: self._store.text + delta)
+        return self._serve(delta, whole=False)
 
     # ------------------------------------------------------------------ the repair
     @property
@@ -481,110 +443,71 @@ class Session:
         """A route was quarantined since these ids were built: they may hold its wrong output."""
         return self._ref_ids is None and self._epoch != self.tokenizer.quarantine_epoch
 
-    def _noop(self, d: int) -> np.ndarray:
-        self.requests += 1
-        n = len(self.ids)
-        self.last_repair = RepairInfo(route="noop", departure=d, cut=d, reused=n, engine="none")
-        return self.ids
-
-    def _apply(self, d: int, *, new_tail_from, new_len: int, commit, full_text) -> np.ndarray:
+    def _serve(self, new: str, *, whole: bool) -> np.ndarray:
+        """``new``: the whole new text (``whole``) or a delta. Departure point, then the repair."""
         tok = self.tokenizer
+        store = self._store
+        d = departure(store, new, whole=whole)
+        first = self.requests == 0
+        unchanged = d == len(store) == (len(new) if whole else d + len(new))
         self.requests += 1
+        if unchanged and not first and not self._stale:
+            ids = self.ids
+            self.last_repair = RepairInfo(route="noop", departure=d, cut=d, reused=len(ids), engine="none")
+            return ids
         if self._ref_ids is not None:  # reference-only session: whole text through HF, every time
-            text = full_text()
-            ids = np.asarray(tok.reference.encode(text, add_special_tokens=self.add_special_tokens).ids, dtype=np.int32)
+            text = new if whole else store.text + new
+            ids = tok.reference.encode(text, add_special_tokens=self.add_special_tokens).ids
+            ids = _read_only(np.asarray(ids, dtype=np.int32))
             reused = _common_prefix_len(self._ref_ids, ids)
-            commit()
+            store.replace(text)
             self._ref_ids = ids
             self.last_repair = RepairInfo(route="reference", departure=d, reused=reused, reencoded=len(ids))
             return ids
-        old_len = len(self._store)
-        route = "append" if d == old_len else "edit"
-        if self._stale or route in tok.quarantined:  # whole text through the reference
-            return self._full(d, full_text(), commit, widenings=0, reference=True, fallback="quarantined")
-        found = self._find_cut(d) if d > 0 and new_len > 0 else None
-        if found is None:
-            return self._full(d, full_text(), commit, widenings=WIDENINGS + 1 if d > 0 else 0,
-                              fallback="no_cut" if d > 0 and new_len > 0 and tok.cuts.supported else "")
-        c, keep, widenings = found
-        tail = new_tail_from(c)
-        body, engine = tok.encode_body(tail, route=route)
-        base = self._buf.body_nbytes_before(keep)
-        self._buf.splice(keep, body, tok.spec.token_nbytes)
-        if self._buf.body_nbytes != base + tok.spec.normalized_nbytes(tail):
-            # The offsets no longer describe the text: never answer from them. Rebuild from the reference.
-            log.error("offset check failed after a repair (family %s, cut %d): rebuilding with the reference",
-                      tok.cuts.name, c)
-            # only the kept ids of the previous reply are still in the buffer: KEEP may not go past them
-            return self._full(d, full_text(), commit, widenings=widenings, reference=True, fallback="offset_check",
-                              old_valid=self._buf.n_prefix + keep)
-        commit()
-        self.last_repair = RepairInfo(
-            route=route, departure=d, cut=c, widenings=widenings,
-            reused=self._buf.n_prefix + keep, reencoded=len(body), engine=engine,
-            fallback=tok._fallback_reason(tail, route) if engine == "hf" else "",
-        )
+        info = repair(self._enc, store, self._buf, new, whole=whole, d=d, force_reference=self._stale,
+                      quarantined=tok.quarantined, first=first)
+        if info.route == "full":  # whole text re-encoded under the current quarantine state
+            self._epoch = tok.quarantine_epoch
+        self.last_repair = info
         return self._buf.ids()
 
-    def _find_cut(self, d: int) -> tuple[int, int, int] | None:
-        """``(cut, body tokens kept, widenings)``: the last stable cut ``c <= d - 1`` that is also a token
-        boundary of the stored ids, searching ``WINDOW * 2**k`` chars before ``d`` for ``k = 0..WIDENINGS``.
-        """
-        finder = self.tokenizer.cuts
-        if not finder.supported:
-            return None
-        spec = self.tokenizer.spec
-        store_len = len(self._store)
-        hi = d - 1
-        for k in range(WIDENINGS + 1):
-            lo = max(1, d - WINDOW * (2**k))
-            if lo > hi:
-                break
-            base = max(0, lo - finder.left_context)
-            window = self._store.tail(base)[: d - base]  # old text == new text before d
-            while True:
-                c = finder.last_cut(window, lo - base, hi - base, d - base)
-                if c is None:
-                    break
-                c += base
-                # byte position of c in the normalized text: total minus the old tail after c
-                nb = self._buf.body_nbytes - spec.normalized_nbytes(self._store.tail(c) if c < store_len else "")
-                keep = self._buf.tokens_before(nb)
-                if keep is not None:
-                    return c, keep, k
-                log.warning("stable cut %d is not a token boundary (family %s); trying an earlier one", c, finder.name)
-                hi = c - 1
-            hi = lo - 1
-        return None
 
-    def _full(self, d: int, text: str, commit, widenings: int, reference: bool = False, fallback: str = "",
-              old_valid: int | None = None) -> np.ndarray:
-        tok = self.tokenizer
-        old = self._buf.ids()[:old_valid].copy() if self.requests > 1 else None
-        body, engine = (tok._hf.encode(text), "hf") if reference else tok.encode_fresh(text)
-        if engine == "hf" and not fallback:
-            fallback = tok._fallback_reason(text, "full")
-        self._epoch = tok.quarantine_epoch  # whole text re-encoded under the current quarantine state
-        self._buf.splice(0, body, tok.spec.token_nbytes if tok.spec.token_nbytes is not None else _ZEROS_FOR(body))
-        commit()
-        ids = self._buf.ids()
-        reused = _common_prefix_len(old, ids) if old is not None else 0
-        self.last_repair = RepairInfo(route="full", departure=d, cut=0, widenings=widenings,
-                                      reused=reused, reencoded=len(body), engine=engine, fallback=fallback)
-        return ids
+class _RepairEncoders:
+    """A tokenizer as :class:`toktier_backend.pipeline.repair.Encoders` (one pointer per session)."""
+
+    __slots__ = ("_tok",)
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+
+    @property
+    def cuts(self) -> CutFinder:
+        return self._tok.cuts
+
+    @property
+    def token_nbytes(self) -> np.ndarray | None:
+        return self._tok.spec.token_nbytes
+
+    def normalized_nbytes(self, text: str) -> int:
+        return self._tok.spec.normalized_nbytes(text)
+
+    def encode_body(self, text: str, *, route: str) -> tuple[np.ndarray, str]:
+        return self._tok.encode_body(text, route=route)
+
+    def encode_fresh(self, text: str) -> tuple[np.ndarray, str]:
+        return self._tok.encode_fresh(text)
+
+    def encode_reference(self, text: str) -> np.ndarray:
+        return self._tok._hf.encode(text)
+
+    def fallback_reason(self, text: str, route: str) -> str:
+        return self._tok._fallback_reason(text, route)
 
 
-def _ZEROS_FOR(ids: np.ndarray) -> np.ndarray:
-    """Offsets table stand-in when a file has none: sessions then never cut, so ends are unused."""
-    return np.zeros(int(ids.max()) + 1 if len(ids) else 1, dtype=np.int32)
-
-
-def _common_prefix_len(a: np.ndarray | None, b: np.ndarray) -> int:
-    if a is None:
-        return 0
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+def _read_only(ids: np.ndarray) -> np.ndarray:
+    """``ids`` itself, made read-only (a reply of a reference-only session)."""
+    ids.flags.writeable = False
+    return ids
 
 
 def load_tokenizer(

@@ -60,6 +60,31 @@ def test_ids_are_read_only_views():
     ids = s.update("read only please")
     with pytest.raises(ValueError):
         ids[0] = 1
+    with pytest.raises(ValueError):
+        s.ids[0] = 1
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama3_1", "qwen3", "deepseek_v3", "gemma3", "o200k_base"])
+def test_returned_ids_never_change(name, corpus_texts):
+    """``a = s.append(x); b = s.append(y)``: ``a`` keeps the first text's ids, through an append that rewrites
+    the last token ("pipe" + "line"), an edit before the end, a truncation and a reset to empty."""
+    tok, ref = load(name), reference(name)
+    base = corpus_texts[0][:3000]
+    s = tok.session()
+    a = s.update(base + "pipe")
+    b = s.append("line")
+    assert a.tolist() == ref.encode(base + "pipe").ids
+    assert b.tolist() == ref.encode(base + "pipeline").ids
+    text = base + "pipeline"
+    replies = [(a, base + "pipe"), (b, text)]
+    for op, arg in [("append", " 1234"), ("append", "5\n"), ("update", base[:100] + "X" + base[101:]),
+                    ("update", base[:1500]), ("append", " and then some more words"), ("update", "")]:
+        text = arg if op == "update" else text + arg
+        replies.append((s.update(arg) if op == "update" else s.append(arg), text))
+        replies.append((s.ids, text))
+    assert s.last_repair.route == "full"
+    for got, t in replies:
+        assert got.tolist() == ref.encode(t).ids, (name, len(t))
 
 
 def test_repair_info_fields():

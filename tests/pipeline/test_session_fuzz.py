@@ -3,8 +3,11 @@
 Sessions start from slices of real SWE-agent trajectories and then take random steps: appends (real
 continuations, hazard-rich random text, seam-trap halves), edits anywhere, truncations, and appends
 through ``update``. Every step's ids are compared with ``Tokenizer.from_file(...).encode(text,
-add_special_tokens=flag).ids``. The number of steps is ``--fuzz-steps`` per file; the seed is fixed per
-file unless ``TOKTIER_FUZZ_SEED`` says otherwise (see :func:`fuzz_seed`; exploration:
+add_special_tokens=flag).ids``; the replies are held, not copied, until the session's last step (no later
+call may change them). A share of the steps (``TWIN_SHARE``) is also taken by the slow twin of the repair
+(``pipeline/reference.py``: HF encodes on plain lists, chained from step to step while it runs): same body
+ids, and the same route, cut, kept ids and widenings. The number of steps is ``--fuzz-steps`` per file;
+the seed is fixed per file unless ``TOKTIER_FUZZ_SEED`` says otherwise (see :func:`fuzz_seed`; exploration:
 ``TOKTIER_FUZZ_SEED=random python -m pytest tests/pipeline/test_session_fuzz.py``).
 """
 
@@ -19,10 +22,15 @@ import pytest
 
 import toktier_backend as tt
 
+from toktier_backend.pipeline import reference as twin
+
 from ..conftest import NAMES, load, reference
 from .hazards import SEAM_TRAPS, random_text
 
 MAX_TEXT = 3000  # chars; keeps one HF check ~1 ms so CI can afford >100K steps
+#: Share of steps also taken by the slow twin (pipeline/reference.py: two HF encodes of up to MAX_TEXT chars
+#: per step). Drawn from a generator of its own, so the texts are those of the same seed without it.
+TWIN_SHARE = 0.35
 
 
 def _next_text(rng: random.Random, text: str, corpus: str) -> tuple[str, str | None]:
@@ -49,22 +57,43 @@ def _next_text(rng: random.Random, text: str, corpus: str) -> tuple[str, str | N
 
 def run_fuzz(name: str, steps: int, corpus: str, seed: int) -> dict:
     tok, ref = load(name), reference(name)
-    rng = random.Random(seed)
+    rng, twin_rng = random.Random(seed), random.Random(seed + 1)
     routes: dict[str, int] = {}
     done = 0
+
+    def encode(t: str) -> list[int]:
+        return ref.encode(t, add_special_tokens=False).ids
+
+    cut_rule = tok.cuts.is_stable_cut if tok.cuts.supported else None
     while done < steps:
         flag = rng.random() < 0.5
         s = tok.session(add_special_tokens=flag)
+        pre = len(tok.spec.prefix_ids) if flag else 0  # constant post-processor on every shared file
+        suf = len(tok.spec.suffix_ids) if flag else 0
         i = rng.randrange(len(corpus))
         text = corpus[i : i + rng.randint(0, 2000)]
         s.update(text)
-        log = [(text, s.ids.copy())]
+        slow = twin.repair("", [], text, encode=encode, is_stable_cut=cut_rule, first=True)
+        log = [(text, s.ids)]  # replies held, not copied: checked against HF after every later call
         while done < steps and len(text) < MAX_TEXT:
             new, delta = _next_text(rng, text, corpus)
             ids = s.append(delta) if delta is not None and rng.random() < 0.7 else s.update(new)
+            info = s.last_repair
+            if twin_rng.random() >= TWIN_SHARE:
+                slow = None
+            else:  # the twin takes the same step: same ids, and the same cut where it cut
+                old_body = slow.body if slow is not None else encode(text)  # chained while it runs
+                slow = twin.repair(text, old_body, new, encode=encode, is_stable_cut=cut_rule)
+                where = f"{name} flag={flag} seed={seed} step {done}: text {new[-80:]!r} (len {len(new)})"
+                assert ids[pre : len(ids) - suf].tolist() == slow.body, "fast vs twin ids: " + where
+                assert (info.route, info.cut, info.widenings) == (slow.route, slow.cut, slow.widenings), \
+                    (info, slow, where)
+                if info.route in ("append", "edit"):
+                    assert info.reused - pre == slow.keep, (info, slow, where)
+                routes["twin"] = routes.get("twin", 0) + 1
             text = new
-            log.append((text, ids.copy()))
-            routes[s.last_repair.route] = routes.get(s.last_repair.route, 0) + 1
+            log.append((text, ids))
+            routes[info.route] = routes.get(info.route, 0) + 1
             done += 1
         want = ref.encode_batch([t for t, _ in log], add_special_tokens=flag)
         for (t, got), w in zip(log, want):
@@ -91,6 +120,7 @@ def test_session_fuzz(name, fuzz_steps, corpus_texts):
     routes = run_fuzz(name, fuzz_steps, corpus, seed=fuzz_seed(name))
     # the repair path must actually run (not only full encodes): vllm's incremental-encode test habit
     assert routes.get("append", 0) + routes.get("edit", 0) > fuzz_steps // 4, routes
+    assert routes.get("twin", 0) > fuzz_steps // 4, routes  # the twin checked about TWIN_SHARE of the steps
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,14 +1,12 @@
-"""TextStore and TokenBuffer against plain ``str`` / list models (hypothesis)."""
+"""TextStore against a plain ``str`` model (hypothesis). TokenBuffer: tests/pipeline/test_token_buffer.py."""
 
 from __future__ import annotations
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toktier_backend.pipeline import text_store
 from toktier_backend.pipeline.text_store import TextStore
-from toktier_backend.pipeline.token_buffer import TokenBuffer
 
 ops = st.lists(
     st.one_of(
@@ -49,14 +47,3 @@ def test_text_store_matches_str(seq, probe):
         assert store.text == model
     finally:
         text_store.BLOCK = old_block
-
-
-def test_token_buffer_splice_and_boundaries():
-    nbytes = np.array([1, 2, 3, 4, 5], dtype=np.int32)  # byte length per id
-    buf = TokenBuffer(np.array([9], np.int32), np.array([7], np.int32), capacity=2)
-    buf.splice(0, np.array([1, 2, 3], np.int32), nbytes)  # ends: 2, 5, 9
-    assert buf.ids().tolist() == [9, 1, 2, 3, 7] and buf.body_nbytes == 9
-    assert [buf.tokens_before(b) for b in (0, 2, 4, 5, 9)] == [0, 1, None, 2, 3]
-    buf.splice(2, np.array([4, 4], np.int32), nbytes)  # keep 2 tokens (ends 2, 5), then 5+5, 5+5+5
-    assert buf.ids().tolist() == [9, 1, 2, 4, 4, 7] and buf.body_nbytes == 15
-    assert not buf.ids().flags.writeable

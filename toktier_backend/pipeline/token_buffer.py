@@ -8,6 +8,16 @@ Memory: 8 bytes per token (4 for the id, 4 for the end) plus bounded headroom: a
 shrunk when its slack passes ``2 * headroom``. So ids + ends take at most ``8 n + 2 * 8 * headroom(n)``
 bytes: <= 9 bytes per token, and <= 8 bytes per token + 64.25 KiB at any size. Growth copies the kept
 ids once per ``headroom`` new tokens (amortized O(16) per token up to 64K tokens, O(n / 4096) above).
+
+Replies are never changed later (copy-on-write): :meth:`TokenBuffer.ids` hands out read-only views of the
+ids array, and :meth:`TokenBuffer.splice` writes in place only where no live view can see a change. A view
+holds a reference to the array it was cut from (numpy keeps the owner as ``base``, also for views of views,
+memoryviews and DLPack capsules), so the array's reference count says whether any view is alive; the
+buffer also remembers the longest view it handed out of the current array. A splice that would give a slot
+a live view shows a *different* id copies the kept ids into a fresh array first (O(n)) and leaves the old one
+to its views; writing the same ids, or slots past every view, stays in place. So a caller that drops its
+reply, or keeps it across an append that re-encodes the tokens after the cut unchanged, pays O(append);
+an edit or truncation that changes ids a held reply shows pays one copy of the ids (4 bytes per token).
 """
 
 from __future__ import annotations
@@ -20,13 +30,27 @@ import numpy as np
 GROW_MAX = 4096
 
 
+def _refs(buf: "TokenBuffer") -> int:
+    """References to ``buf``'s ids array, as this function sees them (the buffer's own, the call's, views)."""
+    return sys.getrefcount(buf._ids)
+
+
 def headroom(n: int) -> int:
     """Spare slots given to a buffer grown (or shrunk) to hold ``n`` tokens."""
     return min(n >> 4, GROW_MAX) + 16
 
 
 class TokenBuffer:
-    __slots__ = ("_ids", "_ends", "_n", "_prefix", "_suffix")
+    """Ids and token end offsets of one session (layout in the module docstring).
+
+    Args:
+        prefix, suffix: ``int32`` ids the post-processor puts around the body.
+        capacity: initial slots.
+
+    Invariant: every view returned by :meth:`ids` keeps the values it had when it was returned.
+    """
+
+    __slots__ = ("_ids", "_ends", "_n", "_prefix", "_suffix", "_shown")
 
     def __init__(self, prefix: np.ndarray, suffix: np.ndarray, capacity: int = 16):
         self._prefix = prefix
@@ -36,6 +60,7 @@ class TokenBuffer:
         self._ends = np.empty(cap, dtype=np.int32)
         self._ids[: len(prefix)] = prefix
         self._n = 0  # body tokens
+        self._shown = 0  # longest view handed out of the current ids array (slots)
 
     @property
     def n_body(self) -> int:
@@ -65,12 +90,13 @@ class TokenBuffer:
         return len(self._ids)
 
     def ids(self) -> np.ndarray:
-        """``np.ndarray[int32] (n_prefix + n_body + n_suffix,)``, a read-only view valid until the next
-        change of this buffer."""
-        p = len(self._prefix)
-        v = self._ids[: p + self._n + len(self._suffix)]
-        v = v.view()
+        """``np.ndarray[int32] (n_prefix + n_body + n_suffix,)``, a read-only view. Later splices never
+        change the values it shows (module docstring: copy-on-write)."""
+        n = len(self._prefix) + self._n + len(self._suffix)
+        v = self._ids[:n]
         v.flags.writeable = False
+        if n > self._shown:
+            self._shown = n
         return v
 
     def tokens_before(self, nbytes: int) -> int | None:
@@ -83,22 +109,46 @@ class TokenBuffer:
         return k if k > 0 and self._ends[k - 1] == nbytes else None
 
     def splice(self, keep: int, new_ids: np.ndarray, token_nbytes: np.ndarray) -> None:
-        """Keep the first ``keep`` body tokens, append ``new_ids`` (``np.ndarray[int32]``) after them."""
+        """Keep the first ``keep`` body tokens, append ``new_ids`` (``np.ndarray[int32]``) after them.
+
+        ``token_nbytes``: ``int32[vocab]`` normalized UTF-8 bytes per id (the ends are its running sum).
+        Views returned by :meth:`ids` before the call keep their values (copy-on-write).
+        """
         p, s = len(self._prefix), len(self._suffix)
-        need = p + keep + len(new_ids) + s
+        start = p + keep
+        need = start + len(new_ids) + s
         have = len(self._ids)
-        if need > have or have - need > 2 * headroom(need):  # grow, or give back a truncation's slack
-            cap = need + headroom(need)
-            ids = np.empty(cap, dtype=np.int32)
-            ends = np.empty(cap, dtype=np.int32)
-            ids[: p + keep] = self._ids[: p + keep]
+        # slots a live view may show: none when only the buffer (and this call) hold the array
+        shown = self._shown if _refs(self) > _UNSHARED else 0
+        grow = need > have or have - need > 2 * headroom(need)  # grow, or give back a truncation's slack
+        if grow:
+            ends = np.empty(need + headroom(need), dtype=np.int32)
             ends[:keep] = self._ends[:keep]
-            self._ids, self._ends = ids, ends
+            self._ends = ends
+        if grow or (shown > start and self._changes_shown(start, new_ids, min(shown, need))):
+            ids = np.empty(len(self._ends), dtype=np.int32)
+            ids[:start] = self._ids[:start]
+            self._ids = ids  # the old array stays with its views, unchanged
+            shown = 0
+        self._shown = shown
         base = self._ends[keep - 1] if keep else np.int32(0)
-        self._ids[p + keep : p + keep + len(new_ids)] = new_ids
+        self._ids[start : start + len(new_ids)] = new_ids
         ends = self._ends[keep : keep + len(new_ids)]
         np.cumsum(token_nbytes[new_ids], out=ends)
         ends += base
         self._n = keep + len(new_ids)
         if s:
             self._ids[p + self._n : p + self._n + s] = self._suffix
+
+    def _changes_shown(self, start: int, new_ids: np.ndarray, end: int) -> bool:
+        """Whether writing ``new_ids`` then the suffix at ``start`` changes any of the slots ``[start, end)``."""
+        n = min(end - start, len(new_ids))
+        if n > 0 and (self._ids[start : start + n] != new_ids[:n]).any():
+            return True
+        at = start + len(new_ids)  # the suffix's new place
+        return end > at and bool((self._ids[at:end] != self._suffix[: end - at]).any())
+
+
+#: ``_refs`` of a buffer whose ids array no view holds (calibrated here: the count an interpreter reports
+#: for the same call pattern differs between CPython versions).
+_UNSHARED = _refs(TokenBuffer(np.zeros(0, np.int32), np.zeros(0, np.int32)))

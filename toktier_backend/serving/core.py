@@ -601,7 +601,7 @@ class ServingCore:
                     out.append(e)
             return out
 
-        texts = [d[0] for d in decoded if not isinstance(d, Exception) and not self.tokenizer._reference_only(d[1])]
+        texts = [d[0] for d in decoded if not isinstance(d, Exception) and not self.tokenizer.needs_reference(d[1])]
         if self.router is None or "full" in self.tokenizer.quarantined or not texts:
             out = run_all()
         else:
