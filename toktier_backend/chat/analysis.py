@@ -1,0 +1,386 @@
+"""Static analysis of a chat template: may it be rendered one ``messages`` iteration at a time?
+
+:func:`analyze` parses the template (``Environment.parse``, the same environment the full render uses) and
+splits the root's statements into *segments*, in order:
+
+- a **loop segment** is a root-level ``{% for x in <messages form> %}`` whose iterable is ``messages``,
+  ``messages[c:]``, ``messages[::-1]``, ``messages|reverse``, or a root-level name assigned only such forms
+  (``loop_messages``). Its body becomes its own template, rendered once per iteration by
+  :mod:`.session`;
+- a **plain segment** is every run of other root statements (prologue, epilogue, code between loops); it is
+  re-rendered in full on every request.
+
+The proof obligations that make "render the segments one after another, a loop one iteration at a time" equal
+to the full render (each is checked here; a template failing one gets ``Plan.reason`` and is always rendered
+whole):
+
+O1. Concatenation: the root template's output is the concatenation of its statements' outputs, so
+    concatenating the segments' outputs is the full output, if every name a segment reads has the value
+    the full render would give it there. Root-level ``set`` targets are exported by one segment and passed
+    to the next as variables; names set inside a loop body are local to one iteration in jinja (the compiled
+    body re-resolves them from the outer context at each iteration start), which is also what a fresh render
+    of the body template does. No ``extends``/``block``/``include``/``import``/``macro``/``call`` at root:
+    they bind names or templates across segments in ways O1 does not cover.
+O2. The loop is a plain iteration: no ``else``, no ``if`` filter, not ``recursive``, a single name as
+    target, no ``break``/``continue`` at body level (they act on the loop the body no longer sits in); a
+    loop over messages nested anywhere but at root is not handled (the whole template renders in full).
+O3. What an iteration reads: the body's free names (``jinja2.meta.find_undeclared_variables``) are the loop
+    target (the message: reused only for the same message object, and the session reuses an object only for
+    a message equal to the previous request's, see :mod:`.session`), ``loop`` (a recording stand-in whose
+    every attribute read is recorded with its value, then checked against the new position and length),
+    ``messages`` (only through ``messages[i]`` and the ``length``/``count``/``first``/``last`` filters,
+    each recorded: the highest index read, or "depends on the length"), namespaces (every attribute read
+    before the iteration wrote it is recorded with its value; writes are recorded), and other outer values,
+    compared whole between requests (any change: no iteration is reused). Deterministic globals only:
+    ``strftime_now`` and the ``random``/``lipsum``/``cycler``/``joiner`` helpers in a body, and outer
+    values that are not plain JSON or namespaces (macros, cyclers), disqualify reuse.
+O4. Determinism: given equal recorded reads, the body takes the same branches and produces the same output
+    and the same namespace writes (jinja expressions are pure over the sandbox's immutable values; the only
+    mutable objects are namespaces, whose reads are recorded). An iteration that raised is never cached:
+    the request falls back to the full render, which raises the same error.
+O5. Inlining (to make reads lazy): a body-level ``{% set v = e %}`` where ``e`` is built only from integer
+    constants, ``loop.<attr>``, ``messages|length`` and ``+ - *`` (total: it cannot raise and has no effect),
+    ``v`` is assigned nowhere else in the body, is not read before it, and is not read inside a nested loop
+    (where ``loop`` means another loop), is removed and ``e`` substituted at each read of ``v``: the value is
+    the same at every read, so output is unchanged, while an iteration that never reads ``v`` no longer
+    records the reads of ``e``. (Qwen3's reverse scan: ``index`` is computed from ``loop.index0`` and the
+    length but read only when the user query is found.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toktier_backend.errors import UnsupportedTokenizer
+
+_NONDETERMINISTIC = frozenset({"strftime_now", "lipsum", "cycler", "joiner"})
+_MESSAGE_FILTERS = frozenset({"length", "count", "first", "last"})
+_ROOT_UNSUPPORTED = ("Extends", "Block", "Include", "Import", "FromImport", "Macro", "CallBlock", "Scope",
+                     "ScopedEvalContextModifier", "OverlayScope")
+
+
+@dataclass(frozen=True)
+class IterForm:
+    """A loop's iterable as positions in ``messages``: ``messages[start:]`` forward, or all of it reversed."""
+
+    start: int
+    reverse: bool
+
+
+@dataclass
+class LoopSegment:
+    """A root loop over messages. ``forms`` holds one entry for a direct iterable, or the candidates of an
+    alias (which one ran is decided at render time by comparing the alias's value with each)."""
+
+    target: str
+    alias: str | None
+    forms: tuple[IterForm, ...]
+    body: object  # jinja2 Template of the (inlined) body
+    free: frozenset[str]
+    uses_messages: bool
+
+
+@dataclass
+class PlainSegment:
+    template: object  # jinja2 Template
+
+
+@dataclass
+class Plan:
+    """Result of :func:`analyze`. ``reason`` is ``None`` when the template renders incrementally, else why not."""
+
+    segments: list = field(default_factory=list)
+    reason: str | None = None
+    inlined: tuple[str, ...] = ()
+
+    @property
+    def incremental(self) -> bool:
+        return self.reason is None
+
+
+def analyze(source: str) -> Plan:
+    """Split ``source`` into segments (module docstring) or give the reason it must render whole.
+
+    Raises:
+        UnsupportedTokenizer: the template does not parse.
+    """
+    import jinja2
+
+    from toktier_backend.chat.template import sandbox_environment
+
+    env = sandbox_environment()
+    try:
+        root = env.parse(source)
+    except jinja2.TemplateError as e:
+        raise UnsupportedTokenizer(f"chat template does not compile: {e}") from e
+    try:
+        return _plan(env, root)
+    except _NotIncremental as e:
+        return Plan(reason=str(e))
+
+
+class _NotIncremental(Exception):
+    pass
+
+
+def _plan(env, root) -> Plan:
+    from jinja2 import nodes
+
+    for node in root.body:
+        if type(node).__name__ in _ROOT_UNSUPPORTED:
+            raise _NotIncremental(f"root-level {type(node).__name__} (O1)")
+    aliases = _aliases(root)
+    plan = Plan()
+    pending: list = []
+    loops = 0
+    for node in root.body:
+        forms = _iter_forms(node, aliases) if isinstance(node, nodes.For) else None
+        if forms is None:
+            if _mentions_message_loop(node, aliases):
+                raise _NotIncremental(f"a loop over messages that is not at root level, line {node.lineno} (O2)")
+            pending.append(node)
+            continue
+        if pending:
+            plan.segments.append(PlainSegment(_template(env, pending)))
+            pending = []
+        plan.segments.append(_loop_segment(env, node, forms, aliases, plan))
+        loops += 1
+    if pending:
+        plan.segments.append(PlainSegment(_template(env, pending)))
+    if not loops:
+        raise _NotIncremental("no root-level loop over messages")
+    return plan
+
+
+def _template(env, body):
+    from jinja2 import nodes
+
+    return env.from_string(nodes.Template(body, lineno=1).set_environment(env))
+
+
+def _message_form(expr) -> IterForm | None:
+    from jinja2 import nodes
+
+    if isinstance(expr, nodes.Name) and expr.name == "messages":
+        return IterForm(0, False)
+    if isinstance(expr, nodes.Filter) and expr.name == "reverse" and not (expr.args or expr.kwargs or expr.dyn_args
+                                                                          or expr.dyn_kwargs):
+        inner = _message_form(expr.node)
+        return IterForm(0, True) if inner == IterForm(0, False) else None
+    if (isinstance(expr, nodes.Getitem) and isinstance(expr.node, nodes.Name) and expr.node.name == "messages"
+            and isinstance(expr.arg, nodes.Slice) and expr.arg.stop is None):
+        start, step = _const_int(expr.arg.start), _const_int(expr.arg.step)
+        if expr.arg.step is None or step == 1:
+            s = 0 if expr.arg.start is None else start
+            if s is not None and s >= 0:
+                return IterForm(s, False)
+        elif step == -1 and expr.arg.start is None:
+            return IterForm(0, True)
+    return None
+
+
+def _const_int(expr):
+    from jinja2 import nodes
+
+    if isinstance(expr, nodes.Const) and type(expr.value) is int:
+        return expr.value
+    if isinstance(expr, nodes.Neg):
+        inner = _const_int(expr.node)
+        return None if inner is None else -inner
+    return None
+
+
+def _aliases(root) -> dict[str, tuple[IterForm, ...]]:
+    """Root-level names assigned only messages forms (in root statements or root ``if`` branches, never in a
+    loop): name -> the candidate forms. A name assigned anything else anywhere is not an alias."""
+    from jinja2 import nodes
+
+    found: dict[str, list] = {}
+    bad: set[str] = set()
+
+    def visit(stmts, in_loop):
+        for n in stmts:
+            if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name):
+                form = _message_form(n.node)
+                if form is None or in_loop:
+                    bad.add(n.target.name)
+                else:
+                    found.setdefault(n.target.name, []).append(form)
+            for child in n.iter_child_nodes():
+                if isinstance(child, nodes.Stmt):
+                    visit([child], in_loop or isinstance(n, (nodes.For, nodes.Macro, nodes.CallBlock)))
+            if isinstance(n, nodes.AssignBlock) and isinstance(n.target, nodes.Name):
+                bad.add(n.target.name)
+            if isinstance(n, nodes.For):
+                for t in n.target.find_all(nodes.Name):
+                    bad.add(t.name)
+
+    visit(root.body, False)
+    return {k: tuple(dict.fromkeys(v)) for k, v in found.items() if k not in bad}
+
+
+def _iter_forms(node, aliases) -> tuple[IterForm, ...] | None:
+    from jinja2 import nodes
+
+    form = _message_form(node.iter)
+    if form is not None:
+        return (form,)
+    if isinstance(node.iter, nodes.Name) and node.iter.name in aliases:
+        return aliases[node.iter.name]
+    return None
+
+
+def _mentions_message_loop(node, aliases) -> bool:
+    from jinja2 import nodes
+
+    return any(_iter_forms(f, aliases) is not None for f in node.find_all(nodes.For))
+
+
+def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
+    import jinja2.meta
+    from jinja2 import nodes
+
+    where = f"line {node.lineno}"
+    if node.else_ or node.test is not None or node.recursive:
+        raise _NotIncremental(f"the loop at {where} has else/if/recursive (O2)")
+    if not isinstance(node.target, nodes.Name):
+        raise _NotIncremental(f"the loop at {where} unpacks its target (O2)")
+    for ctl in _outside_nested_loops(node.body, (nodes.Break, nodes.Continue)):
+        raise _NotIncremental(f"break/continue in the loop body at line {ctl.lineno} (O2)")
+    for f in node.find_all(nodes.For):
+        if _iter_forms(f, aliases) is not None:
+            raise _NotIncremental(f"a loop over messages inside the loop at {where} (O2)")
+    body = list(node.body)
+    body, inlined = _inline(body)
+    plan.inlined += inlined
+    tmpl_node = nodes.Template(body, lineno=1).set_environment(env)
+    free = frozenset(jinja2.meta.find_undeclared_variables(tmpl_node))
+    bad = free & _NONDETERMINISTIC
+    if bad:
+        raise _NotIncremental(f"the loop body at {where} calls {sorted(bad)} (O3)")
+    for flt in tmpl_node.find_all(nodes.Filter):
+        if flt.name == "random":
+            raise _NotIncremental(f"the loop body at {where} uses the random filter (O3)")
+    uses_messages = "messages" in free
+    if uses_messages:
+        _check_message_uses(tmpl_node, where)
+    alias = node.iter.name if isinstance(node.iter, nodes.Name) and node.iter.name != "messages" else None
+    if alias is not None and alias in free:
+        raise _NotIncremental(f"the loop body at {where} reads {alias!r} (O3: only messages is modelled)")
+    return LoopSegment(target=node.target.name, alias=alias, forms=forms, body=env.from_string(tmpl_node),
+                       free=free, uses_messages=uses_messages)
+
+
+def _outside_nested_loops(stmts, kinds):
+    from jinja2 import nodes
+
+    for n in stmts:
+        if isinstance(n, kinds):
+            yield n
+        if isinstance(n, nodes.For):
+            continue
+        yield from _outside_nested_loops(list(n.iter_child_nodes()), kinds)
+
+
+def _check_message_uses(tmpl_node, where) -> None:
+    """``messages`` only as ``messages[i]``, ``messages|length`` (count/first/last), a loop iterable or a
+    test operand (O3); anything else (a method call, ``messages.x``) is not modelled."""
+    from jinja2 import nodes
+
+    allowed: set[int] = set()
+    for n in tmpl_node.find_all(nodes.Getitem):
+        if isinstance(n.node, nodes.Name):
+            allowed.add(id(n.node))
+    for n in tmpl_node.find_all(nodes.Filter):
+        if n.name in _MESSAGE_FILTERS and isinstance(n.node, nodes.Name):
+            allowed.add(id(n.node))
+    for n in tmpl_node.find_all(nodes.Test):
+        if isinstance(n.node, nodes.Name):
+            allowed.add(id(n.node))
+    for n in tmpl_node.find_all(nodes.For):
+        if isinstance(n.iter, nodes.Name):
+            allowed.add(id(n.iter))
+    for n in tmpl_node.find_all(nodes.Name):
+        if n.name == "messages" and n.ctx == "load" and id(n) not in allowed:
+            raise _NotIncremental(f"the loop body at {where} uses messages at line {n.lineno} in a way that is "
+                                  "not modelled (O3)")
+
+
+# ---------------------------------------------------------------- O5: inlining total local expressions
+
+
+def _total(expr) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(expr, nodes.Const):
+        return type(expr.value) is int
+    if isinstance(expr, nodes.Getattr):
+        return isinstance(expr.node, nodes.Name) and expr.node.name == "loop" and expr.attr in (
+            "index0", "index", "revindex0", "revindex", "length")
+    if isinstance(expr, nodes.Filter):
+        return (expr.name == "length" and isinstance(expr.node, nodes.Name) and expr.node.name == "messages"
+                and not (expr.args or expr.kwargs or expr.dyn_args or expr.dyn_kwargs))
+    if isinstance(expr, (nodes.Add, nodes.Sub, nodes.Mul)):
+        return _total(expr.left) and _total(expr.right)
+    if isinstance(expr, (nodes.Neg, nodes.Pos)):
+        return _total(expr.node)
+    return False
+
+
+def _inline(body: list) -> tuple[list, tuple[str, ...]]:
+    from jinja2 import nodes
+
+    done = []
+    i = 0
+    while i < len(body):
+        n = body[i]
+        if (isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and _total(n.node)
+                and _inlinable(body, i, n.target.name)):
+            name, expr = n.target.name, n.node
+            body = body[:i] + [_substitute(s, name, expr) for s in body[i + 1:]]
+            done.append(name)
+            continue
+        i += 1
+    return body, tuple(done)
+
+
+def _inlinable(body, i, name) -> bool:
+    from jinja2 import nodes
+
+    wrapper = nodes.Template(body, lineno=1)
+    stores = [n for n in wrapper.find_all(nodes.Name) if n.name == name and n.ctx != "load"]
+    stores += [n for n in wrapper.find_all(nodes.NSRef) if n.name == name]
+    if len(stores) != 1:
+        return False
+    for s in body[:i]:
+        if any(n.name == name for n in s.find_all(nodes.Name)):
+            return False
+    for s in body[i + 1:]:
+        for loop in [s] if isinstance(s, nodes.For) else list(s.find_all(nodes.For)):
+            if any(n.name == name for n in loop.find_all(nodes.Name)):
+                return False
+        for scoped in s.find_all((nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.With)):
+            if any(n.name == name for n in scoped.find_all(nodes.Name)):
+                return False
+    return True
+
+
+def _substitute(stmt, name, expr):
+    import copy
+
+    from jinja2 import nodes
+
+    from jinja2.visitor import NodeTransformer
+
+    class Replace(NodeTransformer):
+        def visit_Name(self, node):  # noqa: N802 - jinja visitor naming
+            if node.name == name and node.ctx == "load":
+                new = _clone(expr)
+                return new.set_lineno(node.lineno)
+            return node
+
+    def _clone(e):
+        env = e.environment
+        return copy.deepcopy(e, {id(env): env}) if env is not None else copy.deepcopy(e)
+
+    return Replace().visit(stmt)
