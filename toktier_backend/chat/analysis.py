@@ -92,6 +92,7 @@ class Plan:
     segments: list = field(default_factory=list)
     reason: str | None = None
     inlined: tuple[str, ...] = ()
+    observes_message_order: bool = True  # may the template see a message dict's key order (O3, messages)
 
     @property
     def incremental(self) -> bool:
@@ -114,9 +115,11 @@ def analyze(source: str) -> Plan:
     except jinja2.TemplateError as e:
         raise UnsupportedTokenizer(f"chat template does not compile: {e}") from e
     try:
-        return _plan(env, root)
+        plan = _plan(env, root)
     except _NotIncremental as e:
         return Plan(reason=str(e))
+    plan.observes_message_order = _observes_message_order(root, _aliases(root))
+    return plan
 
 
 class _NotIncremental(Exception):
@@ -255,7 +258,8 @@ def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
     plan.inlined += inlined
     tmpl_node = nodes.Template(body, lineno=1).set_environment(env)
     free = frozenset(jinja2.meta.find_undeclared_variables(tmpl_node))
-    bad = free & _NONDETERMINISTIC
+    loaded = {n.name for n in tmpl_node.find_all(nodes.Name) if n.ctx == "load"}  # globals are not "free"
+    bad = loaded & _NONDETERMINISTIC
     if bad:
         raise _NotIncremental(f"the loop body at {where} calls {sorted(bad)} (O3)")
     for flt in tmpl_node.find_all(nodes.Filter):
@@ -304,6 +308,63 @@ def _check_message_uses(tmpl_node, where) -> None:
         if n.name == "messages" and n.ctx == "load" and id(n) not in allowed:
             raise _NotIncremental(f"the loop body at {where} uses messages at line {n.lineno} in a way that is "
                                   "not modelled (O3)")
+
+
+def _observes_message_order(root, aliases) -> bool:
+    """Could the template see the key order of a message dict? A message (a loop target over messages, or
+    ``messages[i]``) used only as the base of ``.attr``/``[key]`` (not ``items``/``keys``/``values``) or as
+    a test operand cannot; any other use (output, a filter, iteration, a call argument, an assignment) is
+    taken to see it. Then the session compares key order too (module docstring of :mod:`.session`)."""
+    from jinja2 import nodes
+
+    lists = {"messages", *aliases}
+    targets = set()
+    for f in root.find_all(nodes.For):
+        if _iter_forms(f, aliases) is not None and isinstance(f.target, nodes.Name):
+            targets.add(f.target.name)
+    parent: dict[int, object] = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for c in n.iter_child_nodes():
+            parent[id(c)] = n
+            stack.append(c)
+
+    def message_expr(n) -> bool:
+        if isinstance(n, nodes.Name) and n.ctx == "load" and n.name in targets:
+            return True
+        return (isinstance(n, nodes.Getitem) and isinstance(n.node, nodes.Name) and n.node.name in lists
+                and not isinstance(n.arg, nodes.Slice))
+
+    for n in root.find_all((nodes.Name, nodes.Getitem)):
+        if isinstance(n, nodes.Name) and n.name in lists and n.ctx == "load":
+            up = parent.get(id(n))
+            if isinstance(up, nodes.Getitem) and up.node is n and not isinstance(up.arg, nodes.Slice):
+                continue
+            if isinstance(up, nodes.Filter) and up.node is n and up.name in ("length", "count"):
+                continue
+            if isinstance(up, nodes.Test) and up.node is n:
+                continue
+            if isinstance(up, nodes.For) and up.iter is n:
+                continue
+            if isinstance(up, nodes.Assign) and up.node is n:
+                continue
+            if isinstance(up, nodes.Getitem) and up.node is n and isinstance(up.arg, nodes.Slice):
+                continue  # a slice is a list of the same messages: its uses are those of the alias
+            return True
+        if not message_expr(n):
+            continue
+        up = parent.get(id(n))
+        if isinstance(up, nodes.Getattr) and up.node is n and up.attr not in ("items", "keys", "values"):
+            continue
+        if isinstance(up, nodes.Getitem) and up.node is n:
+            continue
+        if isinstance(up, nodes.Test) and up.node is n:
+            continue
+        if isinstance(up, nodes.Getitem) and up.node is not n and isinstance(n, nodes.Name):
+            continue  # used as an index: cannot be (a dict is not an index)
+        return True
+    return False
 
 
 # ---------------------------------------------------------------- O5: inlining total local expressions

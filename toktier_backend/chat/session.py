@@ -33,7 +33,9 @@ text extends the old one).
 
 from __future__ import annotations
 
+import marshal
 import operator
+from itertools import repeat
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from typing import Any, Mapping
@@ -91,11 +93,6 @@ def same(a: Any, b: Any) -> bool:
     if ta is dict:
         return len(a) == len(b) and list(a) == list(b) and all(map(same, a.values(), b.values()))
     return False
-
-
-def _flat(message: dict) -> bool:
-    """Every value a str (then ``==`` plus key order is the strict comparison)."""
-    return all(type(v) is str for v in message.values())
 
 
 def _plain_value(v: Any, depth: int = 0) -> bool:
@@ -295,7 +292,7 @@ class _Memo:
     """What one loop segment kept from a render (records by message position, sorted position indexes)."""
 
     __slots__ = ("n", "form", "ns_names", "outer", "entry", "recs", "nsens", "la", "la_max", "readers",
-                 "writers", "cum", "edge")
+                 "writers", "cum", "nonempty", "keep")
 
     def __init__(self):
         self.recs: list = []
@@ -305,6 +302,8 @@ class _Memo:
         self.readers: dict = {}
         self.writers: dict = {}
         self.cum: list[int] = []  # forward loops: chars of outputs up to and including each position
+        self.nonempty: list[int] = []  # positions whose output is not empty
+        self.keep = 0  # records reused from the previous memo before the first rendered one (forward)
 
     def old_value(self, key, p):
         """The value ``key`` had when this memo's loop entered position ``p``."""
@@ -321,12 +320,13 @@ class _Memo:
         return self.entry.get(key, MISSING)
 
     def text(self) -> str:
-        order = self.recs[::-1] if self.form.reverse else self.recs[self.form.start:]
-        return "".join(r.out for r in order)
+        recs = self.recs
+        order = reversed(self.nonempty) if self.form.reverse else self.nonempty
+        return "".join([recs[p].out for p in order])
 
     def length(self) -> int:
         if self.form.reverse:
-            return sum(len(r.out) for r in self.recs)
+            return sum(len(self.recs[p].out) for p in self.nonempty)
         return self.cum[-1] if self.cum else 0
 
 
@@ -364,6 +364,7 @@ class _Builder:
         writers: dict = {}
         nsens: list = []
         la: list = []
+        nonempty: list = []
         la_max = 0
 
         def ext(d, key, vals):
@@ -375,6 +376,7 @@ class _Builder:
                 _, old, lo, hi = c
                 recs.extend(old.recs[lo:hi])
                 nsens.extend(old.nsens[bisect_left(old.nsens, lo):bisect_left(old.nsens, hi)])
+                nonempty.extend(old.nonempty[bisect_left(old.nonempty, lo):bisect_left(old.nonempty, hi)])
                 la.extend(old.la[bisect_left(old.la, lo):bisect_left(old.la, hi)])
                 la_max = max(la_max, old.la_max)
                 for src, dst in ((old.readers, readers), (old.writers, writers)):
@@ -385,6 +387,8 @@ class _Builder:
                 recs.append(rec)
                 if rec.nsens:
                     nsens.append(p)
+                if rec.out:
+                    nonempty.append(p)
                 if rec.maxread > p:
                     la.append(p)
                     la_max = max(la_max, rec.maxread - p)
@@ -394,6 +398,9 @@ class _Builder:
                     writers.setdefault(key, []).append(p)
         assert len(recs) == n, (len(recs), n)
         m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
+        m.nonempty = nonempty
+        first = self.chunks[0] if self.chunks else None
+        m.keep = first[3] - start if (not self.reverse and first and first[0] == "old" and first[2] == start) else 0
 
 
 # ---------------------------------------------------------------- the result
@@ -483,6 +490,9 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the previous request (the next render reuses nothing)."""
         self._snaps: list = []
+        # every message value that is not a str: (positions, keys, signatures), sorted by position
+        self._strict: tuple[list, list, list] = ([], [], [])
+        self._next_strict = self._strict
         self._chat: list = []
         self._memos: list | None = None
         self._pieces: list = []
@@ -559,33 +569,60 @@ class ChatSession:
     # ------------------------------------------------------------ messages
 
     def _diff(self, messages):
+        """(k, snapshots, prepared messages): ``k`` is the first position whose message differs strictly from
+        the previous request's. ``==`` on the lists (C, identity shortcut) finds value changes; it ignores
+        int/float/bool and dict-order differences, so values that are not strings are also compared by
+        ``repr`` (exact for JSON types: distinct types and key orders give distinct reprs), and top-level
+        key order is compared where the template can observe it (``Plan.observes_message_order``)."""
         old = self._snaps
         m = min(len(messages), len(old))
         k = m
         if m and old[:m] != messages[:m]:
-            lo, hi = 0, m
+            lo, hi = 0, m  # the first mismatch lies in [lo, hi)
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 if old[lo:mid] == messages[lo:mid]:
                     lo = mid
                 else:
                     hi = mid
-            k = lo  # the first mismatch lies in [lo, hi) and hi - lo == 1
+            k = lo
         if k:
-            # == ignores key order and int/float/bool: check order for all, types where values are not str
-            if list(map(list, old[:k])) != list(map(list, messages[:k])):
-                k = next(i for i in range(k) if list(old[i]) != list(messages[i]))
-            for i in range(k):
-                if not _flat(old[i]) and not same(old[i], messages[i]):
-                    k = i
-                    break
+            k = self._strict_prefix(messages, k)
         snaps = old[:k]
         chat = self._chat[:k]
-        for msg in messages[k:]:
-            sn = _t.plain(msg)
+        pos, keys, reprs = self._strict
+        cut = bisect_left(pos, k)
+        pos, keys, reprs = pos[:cut], keys[:cut], reprs[:cut]
+        for i in range(k, len(messages)):
+            sn = _t.plain(messages[i])
             snaps.append(sn)
             chat.append(_t.prepare_message(sn))
+            for key, v in sn.items():
+                if type(v) is not str:
+                    pos.append(i)
+                    keys.append(key)
+                    reprs.append(_signature(v))
+        self._next_strict = (pos, keys, reprs)
         return k, snaps, chat
+
+    def _strict_prefix(self, messages, k):
+        """Lower ``k`` to the first position below it whose message equals the old one by ``==`` but not
+        strictly (marshal bytes of non-string values; key order where observable)."""
+        pos, keys, reprs = self._strict
+        j = bisect_left(pos, k)
+        if j:
+            msgs = operator.itemgetter(*pos[:j])(messages) if j > 1 else (messages[pos[0]],)
+            try:
+                got = list(map(marshal.dumps, map(_get_or_missing, msgs, keys[:j]), repeat(0, j)))
+            except ValueError:  # a value marshal cannot write (a str subclass, ...): compare one by one
+                got = [_signature(m.get(key, MISSING)) for m, key in zip(msgs, keys)]
+            if got != reprs[:j]:
+                k = next(i for i, g, r in zip(pos, got, reprs) if g != r)
+        if self.plan.observes_message_order and k:
+            old = self._snaps
+            if list(map(list, old[:k])) != list(map(list, messages[:k])):
+                k = next(i for i in range(k) if list(old[i]) != list(messages[i]))
+        return k
 
     # ------------------------------------------------------------ full path
 
@@ -604,6 +641,7 @@ class ChatSession:
         return result
 
     def _commit(self, snaps, chat, memos, pieces, text, length):
+        self._strict = self._next_strict
         self._snaps, self._chat, self._memos, self._pieces, self._text, self._length = (
             snaps, chat, memos, pieces, text, length)
 
@@ -777,7 +815,7 @@ class ChatSession:
     @staticmethod
     def _cum(memo: _Memo, old: _Memo | None, start: int):
         recs = memo.recs
-        keep = _same_objects(recs, old.recs, start) if old is not None and old.form == memo.form else 0
+        keep = memo.keep if old is not None else 0
         cum = old.cum[:keep] if keep else []
         total = cum[-1] if cum else 0
         for r in recs[start + keep:]:
@@ -788,62 +826,107 @@ class ChatSession:
     # ------------------------------------------------------------ departure
 
     def _departure(self, pieces, memos) -> tuple[int, str, int]:
-        """(departure, delta, new total length): walk the segments; the first that differs bounds the
-        departure, which is then found exactly on the two tails."""
-        old_pieces = self._pieces if self._memos is not None else None
-        lengths = [len(p) if isinstance(p, str) else p.length() for p in pieces]
-        total = sum(lengths)
-        if old_pieces is None or len(old_pieces) != len(pieces):
-            old_text = self._old_text()
-            new_text = "".join(p if isinstance(p, str) else p.text() for p in pieces)
-            d = common_prefix_length(old_text, new_text)
-            return d, new_text[d:], total
+        """(departure, delta, new total length). Segments (and a forward loop's records reused before its
+        first rendered one) that are the same are skipped by length; from the first that may differ, the old
+        and new texts are compared as streams of pieces, so only the chars up to the first difference and
+        the new text after it are touched."""
+        old_pieces = self._pieces
+        total = sum(len(p) if isinstance(p, str) else p.length() for p in pieces)
         base = 0
-        for i, (new, old) in enumerate(zip(pieces, old_pieces)):
-            if isinstance(new, str):
-                if new == old:
-                    base += len(new)
-                    continue
-                new_tail = new + self._join(pieces[i + 1:])
-                old_tail = old + self._join(old_pieces[i + 1:])
-            elif new.form.reverse or old.form != new.form:
-                nt, ot = new.text(), old.text()
-                if nt == ot:
-                    base += len(nt)
-                    continue
-                new_tail = nt + self._join(pieces[i + 1:])
-                old_tail = ot + self._join(old_pieces[i + 1:])
-            else:
-                start = new.form.start
-                j = start + _same_objects(new.recs, old.recs, start)
-                if j == len(new.recs) == len(old.recs):
+        i = 0
+        if self._memos is not None and len(old_pieces) == len(pieces):
+            for i, (new, old) in enumerate(zip(pieces, old_pieces)):
+                if isinstance(new, str):
+                    if new == old:
+                        base += len(new)
+                        continue
+                    break
+                if new.form.reverse or old.form != new.form:
+                    if not new.nonempty and not old.nonempty:
+                        continue
+                    break
+                j = new.keep
+                if _tail_text(new, j) == _tail_text(old, j):
                     base += new.length()
                     continue
-                base += new.cum[j - start - 1] if j > start else 0
-                new_tail = "".join(r.out for r in new.recs[j:]) + self._join(pieces[i + 1:])
-                old_tail = "".join(r.out for r in old.recs[j:]) + self._join(old_pieces[i + 1:])
-            d = common_prefix_length(old_tail, new_tail)
-            return base + d, new_tail[d:], total
-        return base, "", total
+                base += new.cum[j - 1] if j else 0
+                break
+            else:
+                return base, "", total
+            old_stream = _stream(old_pieces, i, new.keep if not isinstance(new, str) else 0)
+            new_stream = _stream(pieces, i, new.keep if not isinstance(new, str) else 0)
+        else:
+            old_stream = iter([self._old_text()])
+            new_stream = _stream(pieces, 0, 0)
+        d, new_rest = _common_prefix_streams(old_stream, new_stream)
+        return base + d, new_rest, total
 
     @staticmethod
     def _join(pieces) -> str:
         return "".join(p if isinstance(p, str) else p.text() for p in pieces)
 
 
-def _same_objects(a: list, b: list, start: int) -> int:
-    """How many records from ``start`` are the same objects in ``a`` and ``b`` (C slice compares: records
-    have identity equality)."""
-    m = min(len(a), len(b))
-    if start >= m:
-        return 0
-    if a[start:m] == b[start:m]:
-        return m - start
-    lo, hi = start, m  # a[start:lo] == b[start:lo]; the first difference lies in [lo, hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
+def _signature(value) -> bytes:
+    """``marshal`` version 0 (no references, no interning): equal bytes mean equal JSON values with the
+    same scalar types and dict key order; a value it cannot write gets a signature that equals nothing."""
+    try:
+        return marshal.dumps(value, 0)
+    except ValueError:
+        return _NEVER
+
+
+def _get_or_missing(message, key):
+    return message.get(key, MISSING)
+
+
+def _tail_text(memo, j) -> str:
+    """Outputs of a forward loop's records from index ``j`` (position ``start + j``) on."""
+    ne, recs = memo.nonempty, memo.recs
+    return "".join([recs[q].out for q in ne[bisect_left(ne, memo.form.start + j):]])
+
+
+def _stream(pieces, i, j):
+    """The text of ``pieces[i:]`` as a stream of strings, starting at record ``j`` of a forward loop piece
+    ``pieces[i]`` (positions are ``start + j``)."""
+    for idx in range(i, len(pieces)):
+        p = pieces[idx]
+        if isinstance(p, str):
+            if p:
+                yield p
+            continue
+        recs = p.recs
+        if p.form.reverse:
+            for q in reversed(p.nonempty):
+                yield recs[q].out
         else:
-            hi = mid
-    return lo - start
+            first = p.form.start + (j if idx == i else 0)
+            ne = p.nonempty
+            for q in ne[bisect_left(ne, first):]:
+                yield recs[q].out
+
+
+def _common_prefix_streams(a, b) -> tuple[int, str]:
+    """(chars the two streams share at the start, the rest of ``b`` after them as one string)."""
+    abuf = bbuf = ""
+    done = 0
+    a_end = b_end = False
+    while True:
+        while len(abuf) < 4096 and not a_end:
+            nxt = next(a, None)
+            if nxt is None:
+                a_end = True
+            else:
+                abuf += nxt
+        while len(bbuf) < max(4096, len(abuf)) and not b_end:
+            nxt = next(b, None)
+            if nxt is None:
+                b_end = True
+            else:
+                bbuf += nxt
+        m = min(len(abuf), len(bbuf))
+        c = common_prefix_length(abuf[:m], bbuf[:m])
+        if c < m or (a_end and len(abuf) == m) or (b_end and len(bbuf) == m):
+            rest = bbuf[c:]
+            return done + c, rest + "".join(b)
+        done += m
+        abuf, bbuf = abuf[m:], bbuf[m:]

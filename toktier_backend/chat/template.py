@@ -272,7 +272,7 @@ class ChatRenderer:
 
 def check_request(messages: Any, add_generation_prompt: bool, continue_final_message: bool) -> None:
     """Raise :class:`InvalidRequest` for a malformed ``messages`` list or contradictory flags."""
-    if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+    if not isinstance(messages, list) or not all(t is dict or issubclass(t, Mapping) for t in set(map(type, messages))):
         raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
     if continue_final_message and add_generation_prompt:
         raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be set")
