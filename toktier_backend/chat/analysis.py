@@ -45,6 +45,12 @@ O5. Inlining (to make reads lazy): a body-level ``{% set v = e %}`` where ``e`` 
     the same at every read, so output is unchanged, while an iteration that never reads ``v`` no longer
     records the reads of ``e``. (Qwen3's reverse scan: ``index`` is computed from ``loop.index0`` and the
     length but read only when the user query is found.)
+O6. Comparisons: ``x.attr <op> e`` (or ``e <op> x.attr``) with ``<op>`` one of ``== != > >= < <=`` and
+    ``e`` total as in O5 is rewritten to a call of the recorder with ``x``'s name, the attribute, the op and
+    ``e``; it evaluates exactly what jinja would (the sandbox's ``getattr``, then Python's operator) and,
+    when ``x`` is a namespace, records the outcome instead of the value: the iteration depends on
+    ``x.attr`` only through that outcome. (Qwen3's ``loop.index0 > ns.last_query_index``: a new user query
+    moves the index but leaves the outcome of earlier turns unchanged.)
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from dataclasses import dataclass, field
 
 from toktier_backend.errors import UnsupportedTokenizer
 
+COMPARE = "toktier_compare__"  # the body's name for the comparison recorder (O6)
+_CMP_OPS = frozenset({"eq", "ne", "gt", "gteq", "lt", "lteq"})
 _NONDETERMINISTIC = frozenset({"strftime_now", "lipsum", "cycler", "joiner"})
 _MESSAGE_FILTERS = frozenset({"length", "count", "first", "last"})
 _ROOT_UNSUPPORTED = ("Extends", "Block", "Include", "Import", "FromImport", "Macro", "CallBlock", "Scope",
@@ -256,8 +264,9 @@ def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
     body = list(node.body)
     body, inlined = _inline(body)
     plan.inlined += inlined
+    body = [_rewrite_compares(stmt) for stmt in body]
     tmpl_node = nodes.Template(body, lineno=1).set_environment(env)
-    free = frozenset(jinja2.meta.find_undeclared_variables(tmpl_node))
+    free = frozenset(jinja2.meta.find_undeclared_variables(tmpl_node)) - {COMPARE}
     loaded = {n.name for n in tmpl_node.find_all(nodes.Name) if n.ctx == "load"}  # globals are not "free"
     bad = loaded & _NONDETERMINISTIC
     if bad:
@@ -403,6 +412,35 @@ def _inline(body: list) -> tuple[list, tuple[str, ...]]:
             continue
         i += 1
     return body, tuple(done)
+
+
+def _rewrite_compares(stmt):
+    """O6 (module docstring)."""
+    from jinja2 import nodes
+    from jinja2.visitor import NodeTransformer
+
+    def ns_attr(e):
+        return (isinstance(e, nodes.Getattr) and isinstance(e.node, nodes.Name) and e.node.ctx == "load"
+                and e.node.name not in ("loop", "messages"))
+
+    class Rewrite(NodeTransformer):
+        def visit_Compare(self, node):  # noqa: N802 - jinja visitor naming
+            node = self.generic_visit(node)
+            if len(node.ops) != 1 or node.ops[0].op not in _CMP_OPS:
+                return node
+            left, op, right = node.expr, node.ops[0].op, node.ops[0].expr
+            if ns_attr(left) and _total(right):
+                side, attr_node, other = "left", left, right
+            elif ns_attr(right) and _total(left):
+                side, attr_node, other = "right", right, left
+            else:
+                return node
+            call = nodes.Call(nodes.Name(COMPARE, "load"),
+                              [attr_node.node, nodes.Const(attr_node.node.name), nodes.Const(attr_node.attr),
+                               nodes.Const(op), nodes.Const(side), other], [], None, None)
+            return call.set_lineno(node.lineno)
+
+    return Rewrite().visit(stmt)
 
 
 def _inlinable(body, i, name) -> bool:

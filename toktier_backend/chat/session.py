@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import marshal
 import operator
-from itertools import repeat
 from bisect import bisect_left, bisect_right
 from collections import Counter
+from itertools import repeat
 from typing import Any, Mapping
 
 from toktier_backend.chat import template as _t
-from toktier_backend.chat.analysis import IterForm, LoopSegment, Plan, analyze
+from toktier_backend.chat.analysis import COMPARE, IterForm, LoopSegment, Plan, analyze
 from toktier_backend.errors import InvalidRequest
 
 
@@ -114,13 +114,14 @@ def _plain_value(v: Any, depth: int = 0) -> bool:
 class _Rec:
     """One loop iteration's record (see the module docstring, 3)."""
 
-    __slots__ = ("elem", "out", "loop_reads", "ns_reads", "writes", "maxread", "nsens")
+    __slots__ = ("elem", "out", "loop_reads", "ns_reads", "cmps", "writes", "maxread", "nsens")
 
     def __init__(self, elem, p):
         self.elem = elem
         self.out = ""
         self.loop_reads: dict = {}
         self.ns_reads: dict = {}
+        self.cmps: dict = {}  # key -> [(op, side, other, outcome)]: comparisons recorded by outcome (O6)
         self.writes: dict = {}
         self.maxread = p
         self.nsens = False
@@ -285,6 +286,48 @@ def _recording_namespace_class():
     return RecNamespace
 
 
+_OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "gteq": operator.ge, "lt": operator.lt,
+        "lteq": operator.le}
+
+
+def _comparer(ns_class, getattr_):
+    """The body's comparison recorder (analysis O6): ``x.attr <op> other`` evaluated as jinja would; for a
+    recording namespace whose attribute this iteration has not read or written yet, the outcome is recorded
+    instead of the value."""
+
+    def compare(obj, _name, attr, op, side, other):
+        if type(obj) is ns_class:
+            nsname, state, rec = object.__getattribute__(obj, "_r")
+            key = (nsname, attr)
+            v = state.get(key, MISSING)
+            if v is not MISSING and key not in rec.writes and key not in rec.ns_reads:
+                out = _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+                if type(out) is not bool:
+                    raise _Fallback("a comparison gave a non-bool")
+                rec.cmps.setdefault(key, []).append((op, side, other, out))
+                return out
+        v = getattr_(obj, attr)
+        return _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+
+    return compare
+
+
+def _reader_ok(rec: _Rec, key, v) -> bool:
+    """Would ``rec``'s recorded reads of ``key`` be the same with value ``v``?"""
+    if key in rec.ns_reads and not same(rec.ns_reads[key], v):
+        return False
+    for op, side, other, outcome in rec.cmps.get(key, ()):
+        if v is MISSING:
+            return False
+        try:
+            out = _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+        except Exception:  # noqa: BLE001 - the recorded comparison would now raise: not the same
+            return False
+        if type(out) is not bool or out != outcome:
+            return False
+    return True
+
+
 # ---------------------------------------------------------------- a loop's memo
 
 
@@ -392,7 +435,7 @@ class _Builder:
                 if rec.maxread > p:
                     la.append(p)
                     la_max = max(la_max, rec.maxread - p)
-                for key in rec.ns_reads:
+                for key in rec.ns_reads.keys() | rec.cmps.keys():
                     readers.setdefault(key, []).append(p)
                 for key in rec.writes:
                     writers.setdefault(key, []).append(p)
@@ -485,6 +528,7 @@ class ChatSession:
         self.stats: Counter = Counter()
         self._ns_class = _recording_namespace_class()
         self._undefined = _t.sandbox_environment().undefined
+        self._compare = _comparer(self._ns_class, _t.sandbox_environment().getattr)
         self.reset()
 
     def reset(self) -> None:
@@ -722,6 +766,7 @@ class ChatSession:
         nsens_attrs, edge = _n_sensitive(form)
         body, target = seg.body, seg.target
         ns_class, undefined = self._ns_class, self._undefined
+        compare = self._compare
         msgs_view = seg.uses_messages
         reused = rendered = 0
         while p != end:
@@ -751,6 +796,7 @@ class ChatSession:
                 ctx_vars["messages"] = _RecMessages(chat, rec)
             for name in ns_names:
                 ctx_vars[name] = ns_class(name, state, rec)
+            ctx_vars[COMPARE] = compare
             ctx = body.new_context(ctx_vars)
             rec.out = "".join(body.root_render_func(ctx))
             for a in rec.loop_reads:
@@ -801,13 +847,27 @@ class ChatSession:
             if same(state.get(key, MISSING), old.old_value(key, p)):
                 continue
             rd = old.readers.get(key)
-            r = _first(rd, p, lo, hi, rev) if rd else None
-            if r is None:
+            if not rd:
                 continue
             wr = old.writers.get(key)
             w = _first(wr, p, lo, hi, rev) if wr else None
-            if w is None or (r >= w if rev else r <= w):
-                cands.append(r)
+            # readers from p up to (and at) the first writer see the current value: the first whose
+            # recorded reads differ under it is invalid (O6: comparisons may still hold)
+            value = state.get(key, MISSING)
+            if rev:
+                i = bisect_right(rd, p) - 1
+                while i >= 0 and rd[i] >= lo and (w is None or rd[i] >= w):
+                    if not _reader_ok(old.recs[rd[i]], key, value):
+                        cands.append(rd[i])
+                        break
+                    i -= 1
+            else:
+                i = bisect_left(rd, p)
+                while i < len(rd) and rd[i] < hi and (w is None or rd[i] <= w):
+                    if not _reader_ok(old.recs[rd[i]], key, value):
+                        cands.append(rd[i])
+                        break
+                    i += 1
         if not cands:
             return -1 if rev else limit
         return max(cands) if rev else min(cands)
