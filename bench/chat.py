@@ -7,7 +7,7 @@ to 1,200 chars, until the size is reached. Then ``--samples`` turns of 2 new mes
 assistant's reply and the next observation) are requested one after another, each with the whole history
 and ``add_generation_prompt=True``, as an agent resends it. Each request's ``messages`` is decoded from its
 JSON body (untimed; ``--reuse-objects``: the previous list plus the new dicts, as an in-process caller
-would pass them). Systems, each on all samples in turn:
+would pass them, with ``ChatSession(trust_identity=True)``). Systems, each on all samples in turn:
 
 - ``ours``: ``ChatSession.render`` (incremental) then our tokenizer session: ``append(delta)`` when the
   render extends the previous text, else ``update(text)``;
@@ -142,7 +142,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     stats = {}
 
     # ours: a warm session (the base conversation rendered and tokenized, untimed)
-    chat = ChatSession(src, specials)
+    chat = ChatSession(src, specials, trust_identity=args.reuse_objects)
     tok = load_tokenizer(str(tok_path)).session(add_special_tokens=False)
     base = ref.render(conv[:start - 2] if start > 2 else conv[:1], **options)
     r = chat.render(conv[:start - 2] if start > 2 else conv[:1], **options)

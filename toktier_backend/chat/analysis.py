@@ -101,6 +101,9 @@ class Plan:
     reason: str | None = None
     inlined: tuple[str, ...] = ()
     observes_message_order: bool = True  # may the template see a message dict's key order (O3, messages)
+    # paths inside a message (keys; "*" any key or index) where a dict's key order may be seen: iterated
+    # (flat) or written out with everything under it (deep); None: anywhere (not analysed)
+    order_paths: tuple[frozenset, frozenset] | None = None
 
     @property
     def incremental(self) -> bool:
@@ -127,6 +130,7 @@ def analyze(source: str) -> Plan:
     except _NotIncremental as e:
         return Plan(reason=str(e))
     plan.observes_message_order = _observes_message_order(root, _aliases(root))
+    plan.order_paths = _order_paths(root, _aliases(root))
     return plan
 
 
@@ -374,6 +378,135 @@ def _observes_message_order(root, aliases) -> bool:
             continue  # used as an index: cannot be (a dict is not an index)
         return True
     return False
+
+
+_STR_METHODS = frozenset({"startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "lower",
+                          "upper", "replace", "title", "capitalize", "find", "rfind", "count"})
+_ORDER_FREE_FILTERS = frozenset({"length", "count"})
+_MAX_PATH = 8
+
+
+def _order_paths(root, aliases):
+    """Where a message value's dict key order may reach the output (for :mod:`.session`'s strict compare).
+
+    Values derived from a message are tracked as paths (``("tool_calls", "*", "function")``) through
+    ``.attr``/``[key]``, loop targets (``"*"``) and ``set`` (flow-insensitive, to a fixpoint). A use as
+    an ``if``/test operand, ``==``/``!=``/``in`` operand, ``length`` filter or a str method call cannot
+    see dict order; iteration sees the order of that dict (flat); anything else (output, other filters,
+    call arguments, namespace writes, concatenation) is taken to see every dict under it (deep).
+    """
+    from jinja2 import nodes
+
+    lists = {"messages", *aliases}
+    env: dict[str, set] = {}
+    for f in root.find_all(nodes.For):
+        if _iter_forms(f, aliases) is not None and isinstance(f.target, nodes.Name):
+            env.setdefault(f.target.name, set()).add(())
+
+    def paths(e) -> set:
+        if isinstance(e, nodes.Name):
+            return env.get(e.name, set()) if e.ctx == "load" else set()
+        if isinstance(e, nodes.Getattr):
+            return {p + (e.attr,) for p in paths(e.node)}
+        if isinstance(e, nodes.Getitem):
+            if isinstance(e.node, nodes.Name) and e.node.name in lists and not isinstance(e.arg, nodes.Slice):
+                return {()}
+            key = e.arg.value if isinstance(e.arg, nodes.Const) and isinstance(e.arg.value, str) else "*"
+            return {p + (key,) for p in paths(e.node)}
+        if isinstance(e, nodes.CondExpr):
+            return paths(e.expr1) | (paths(e.expr2) if e.expr2 is not None else set())
+        if isinstance(e, nodes.Call) and isinstance(e.node, nodes.Getattr) and e.node.attr == "get" and e.args \
+                and isinstance(e.args[0], nodes.Const) and isinstance(e.args[0].value, str):
+            return {p + (e.args[0].value,) for p in paths(e.node.node)}
+        return set()
+
+    truncated: set = set()
+
+    def cap(ps: set) -> set:
+        # a self-referential ``set x = x.attr`` makes paths grow without end: past _MAX_PATH keys a path is
+        # cut, and everything under the cut is taken as seen (deep)
+        out = set()
+        for p in ps:
+            if len(p) > _MAX_PATH:
+                p = p[:_MAX_PATH]
+                truncated.add(p)
+            out.add(p)
+        return out
+
+    changed = True
+    while changed:
+        changed = False
+        for n in root.find_all((nodes.Assign, nodes.For)):
+            if isinstance(n, nodes.For):
+                tgt, src = n.target, cap({p + ("*",) for p in paths(n.iter)})
+            else:
+                tgt, src = n.target, cap(paths(n.node))
+            if isinstance(tgt, nodes.Name) and not src <= env.get(tgt.name, set()):
+                env.setdefault(tgt.name, set()).update(src)
+                changed = True
+
+    parent: dict[int, object] = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for c in n.iter_child_nodes():
+            parent[id(c)] = n
+            stack.append(c)
+    flat: set = set()
+    deep: set = set()
+    for e in root.find_all(nodes.Expr):
+        ps = paths(e)
+        if not ps:
+            continue
+        up = parent.get(id(e))
+        if isinstance(up, (nodes.Getattr, nodes.Getitem)) and up.node is e:
+            gp = parent.get(id(up))
+            if isinstance(up, nodes.Getattr) and isinstance(gp, nodes.Call) and gp.node is up:
+                if up.attr in _STR_METHODS or up.attr == "get":
+                    continue
+                if up.attr in ("items", "keys", "values"):
+                    flat |= ps
+                    continue
+                deep |= ps
+            continue
+        if isinstance(up, nodes.Getitem) and up.arg is e:
+            deep |= ps
+            continue
+        if isinstance(up, (nodes.If, nodes.CondExpr)) and getattr(up, "test", None) is e:
+            continue
+        if isinstance(up, nodes.Test) and up.node is e:
+            continue
+        if isinstance(up, (nodes.Not, nodes.And, nodes.Or)):
+            continue  # truthiness; the and/or value itself is tracked by its own use
+        if isinstance(up, nodes.Operand) and up.op in ("eq", "ne", "in", "notin"):
+            continue
+        if isinstance(up, nodes.Compare) and up.expr is e and all(o.op in ("eq", "ne", "in", "notin")
+                                                                  for o in up.ops):
+            continue
+        if isinstance(up, nodes.Filter) and up.node is e and up.name in _ORDER_FREE_FILTERS:
+            continue
+        if isinstance(up, nodes.For) and up.iter is e:
+            flat |= ps
+            continue
+        if isinstance(up, nodes.Assign) and up.node is e and isinstance(up.target, nodes.Name):
+            continue
+        deep |= ps
+    return frozenset(flat), frozenset(deep | truncated)
+
+
+def path_matches(static: tuple, path: tuple) -> bool:
+    """Does a runtime ``path`` match a ``static`` one (``"*"`` matches any key or index)?"""
+    return len(static) == len(path) and all(a == "*" or a == b for a, b in zip(static, path))
+
+
+def order_observed(order_paths, path: tuple) -> bool:
+    """May a dict at runtime ``path`` (keys; list indices as ``"*"``) have its key order seen?"""
+    if order_paths is None:
+        return True
+    flat, deep = order_paths
+    if any(path_matches(q, path) for q in flat):
+        return True
+    return any(len(q) <= len(path) and path_matches(q, path[:len(q)]) for q in deep)
 
 
 # ---------------------------------------------------------------- O5: inlining total local expressions
