@@ -127,4 +127,4 @@ def _outcome(renderer, messages, options) -> tuple[bool, str]:
     try:
         return True, renderer.render(messages, **options)
     except InvalidRequest as e:
-        return False, "refused" if e else ""
+        return False, f"refused: {type(e).__name__}"
