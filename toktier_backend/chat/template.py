@@ -102,8 +102,9 @@ def _template_from_json(path: Path, data: dict) -> str | None:
 # ---------------------------------------------------------------- the sandbox
 
 
-@lru_cache(maxsize=16)
-def _compile(source: str):
+@lru_cache(maxsize=1)
+def sandbox_environment():
+    """The one jinja2 environment every chat template is compiled in (see the module docstring)."""
     import jinja2
     import jinja2.ext
     import jinja2.nodes
@@ -161,10 +162,15 @@ def _compile(source: str):
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=SafeDict(),
                        namespace=SafeNamespace)
-    return env.from_string(source)
+    return env
 
 
-def _plain(value: Any) -> Any:
+@lru_cache(maxsize=16)
+def _compile(source: str):
+    return sandbox_environment().from_string(source)
+
+
+def plain(value: Any) -> Any:
     """Rebuild ``value`` from JSON types only (the template never sees other objects)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
@@ -177,9 +183,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {plain(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return f"<{type(value).__name__}>"
 
 
@@ -230,33 +236,53 @@ class ChatRenderer:
         """
         import jinja2
 
-        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
-            raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
-        if continue_final_message and add_generation_prompt:
-            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be set")
-        chat = [{k: v for k, v in _plain(m).items() if v is not None} for m in messages]
-        chat = [_alias_reasoning(m) for m in chat]
+        check_request(messages, add_generation_prompt, continue_final_message)
+        chat = [prepare_message(m) for m in messages]
         final = None
         if continue_final_message:
-            if not chat or not isinstance(chat[-1].get("content"), str):
-                raise InvalidRequest("continue_final_message needs a last message with string content")
-            final = chat[-1]["content"]
-            chat[-1]["content"] = final + _CONTINUE_TAG
-        variables = {**self.special_tokens, **_plain(kwargs)}
+            final, chat[-1] = continue_message(chat[-1])
+        variables = {**self.special_tokens, **plain(kwargs)}
         try:
-            text = self._template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+            text = self._template.render(messages=chat, tools=plain(tools), documents=plain(documents),
                                          add_generation_prompt=bool(add_generation_prompt), **variables)
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"the chat template refused the request: {e}") from e
         except Exception as e:
             raise InvalidRequest(f"the chat template failed on the request: {type(e).__name__}: {e}") from e
-        if final is not None:
-            tag = _CONTINUE_TAG.strip()
-            if final.strip() not in text or tag not in text:
-                raise InvalidRequest("continue_final_message: the template dropped part of the final message")
-            at = text.rindex(tag)
-            text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        return finish_continue(text, final)
+
+
+def check_request(messages: Any, add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """Raise :class:`InvalidRequest` for a malformed ``messages`` list or contradictory flags."""
+    if not isinstance(messages, list) or not all(t is dict or issubclass(t, Mapping) for t in set(map(type, messages))):
+        raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be set")
+
+
+def prepare_message(message: Mapping[str, Any]) -> dict:
+    """The dict the template sees for one message: plain JSON types, ``None`` values dropped, reasoning
+    copied to ``reasoning_content`` and ``thinking`` (as transformers does). A new dict every call."""
+    return _alias_reasoning({k: v for k, v in plain(message).items() if v is not None})
+
+
+def continue_message(message: dict) -> tuple[str, dict]:
+    """(the final message's content, a copy of it with the continue tag appended), for
+    ``continue_final_message``. Raises :class:`InvalidRequest` if the content is not a string."""
+    if not isinstance(message.get("content"), str):
+        raise InvalidRequest("continue_final_message needs a last message with string content")
+    return message["content"], {**message, "content": message["content"] + _CONTINUE_TAG}
+
+
+def finish_continue(text: str, final: str | None) -> str:
+    """Cut ``text`` at the continue tag (``final`` is the final message's content; ``None``: no-op)."""
+    if final is None:
         return text
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise InvalidRequest("continue_final_message: the template dropped part of the final message")
+    at = text.rindex(tag)
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
 def _alias_reasoning(message: dict) -> dict:

@@ -1,0 +1,274 @@
+"""Chat-turn benchmark: render + tokenize one agent turn at 100K / 1M / 3M chars of conversation.
+
+For each template and size, a conversation is built from the SWE-agent corpus (``tests/chat/corpus.py``:
+function-calling trajectories with tool calls, tool results and reasoning for the tool templates; tool
+results as user turns for the others; gemma3's roles merged to alternate), each message's content clipped
+to 1,200 chars, until the size is reached. Then ``--samples`` turns of 2 new messages (~1.5K chars: the
+assistant's reply and the next observation) are requested one after another, each with the whole history
+and ``add_generation_prompt=True``, as an agent resends it. Each request's ``messages`` is decoded from its
+JSON body (untimed; ``--reuse-objects``: the previous list plus the new dicts, as an in-process caller
+would pass them, with ``ChatSession(trust_identity=True)``). Systems, each on all samples in turn:
+
+- ``ours``: ``ChatSession.render`` (incremental) then our tokenizer session: ``append(delta)`` when the
+  render extends the previous text, else ``update(text)``;
+- ``transformers``: ``apply_chat_template(tokenize=True)`` (``--hf-samples`` samples: it encodes the whole
+  text with HF);
+- ``jinja2+gigatoken``: full render by the transformers-compatible jinja2 renderer, gigatoken encode;
+- ``minijinja+gigatoken``: full render by minijinja, gigatoken encode.
+
+Exactness first: every sample's text is compared with the jinja2 full render, every sample's ids with
+gigatoken's encode of that text, and the first and last samples' ids with HF ``tokenizers``
+(``add_special_tokens=False``); a system with a mismatch is printed as INEXACT. Output: a table, then
+``<out>/chat.json`` and ``<out>/chat.png`` (p50 latency vs context size, log-log, one panel per template).
+
+Usage:
+    python bench/chat.py
+    python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --samples 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import anchors as A  # noqa: E402
+
+A.ensure_repo_on_path()
+
+from tests.chat import corpus as C  # noqa: E402
+
+SYSTEMS = ("ours", "transformers", "jinja2+gigatoken", "minijinja+gigatoken")
+COLORS = {"ours": "tab:blue", "transformers": "tab:red", "jinja2+gigatoken": "tab:green",
+          "minijinja+gigatoken": "tab:orange"}
+CLIP = 1200
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
+                                           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                                          "required": ["cmd"]}}}]
+
+
+def _clip(m: dict) -> dict:
+    m = dict(m)
+    m["content"] = m["content"][:CLIP]
+    if "reasoning_content" in m:
+        m["reasoning_content"] = m["reasoning_content"][:400]
+    return m
+
+
+def conversation(name: str, size: int, samples: int) -> tuple[list[dict], int]:
+    """(messages, index where the timed turns start): about ``size`` chars of content before it, then
+    ``2 * samples`` more messages."""
+    tools = name in C.TOOL_TEMPLATES
+    files = C.trajectories()
+    chosen = [f for f in files if "function_calling" in f.name] if tools else files
+    head = [_clip(m) for m in C.messages(chosen[0], tools=tools)[:2]]
+    pool = []
+    for f in chosen:
+        pool += [_clip(m) for m in C.messages(f, tools=tools)[2:]]
+    conv = list(head)
+    total, i = 0, 0
+    while total < size:
+        m = pool[i % len(pool)]
+        conv.append(m)
+        total += len(m["content"])
+        i += 1
+    start = len(conv)
+    while len(conv) < start + 2 * samples + 1:
+        conv.append(pool[i % len(pool)])
+        i += 1
+    if name == "gemma3":
+        conv = C.alternating(conv)
+        start = min(start, len(conv) - 2 * samples - 1)
+    # each timed request ends at an observation (the model answers it)
+    while conv[start - 1]["role"] == "assistant":
+        start += 1
+    return conv, start
+
+
+def requests(conv, start, samples, reuse: bool):
+    import orjson
+
+    out = []
+    prev = None
+    for s in range(samples):
+        end = start + 2 * (s + 1)
+        if reuse:
+            msgs = (prev or conv[:end - 2]) + [dict(m) for m in conv[end - 2:end]]
+            prev = msgs
+        else:
+            msgs = orjson.loads(orjson.dumps(conv[:end]))
+        out.append(msgs)
+    return out
+
+
+def run(name: str, size: int, args, shared: Path) -> dict:
+    import gigatoken
+    from tokenizers import Tokenizer
+
+    from toktier_backend import load_tokenizer
+    from toktier_backend.chat.fast import MiniJinjaRenderer, admit
+    from toktier_backend.chat.session import ChatSession
+    from toktier_backend.chat.template import ChatRenderer, special_tokens
+
+    src, cfg = C.template_source(name)
+    tok_path = shared / "tokenizers" / name / "tokenizer.json"
+    specials = special_tokens(cfg)
+    options = {"add_generation_prompt": True}
+    if name in C.TOOL_TEMPLATES:
+        options["tools"] = TOOLS
+    conv, start = conversation(name, size, args.samples)
+    reqs = requests(conv, start, args.samples, args.reuse_objects)
+    ref = ChatRenderer(src, specials)
+    mini = MiniJinjaRenderer(src, specials)
+    admitted = admit(src, specials).reason is None
+    giga = gigatoken.Tokenizer(str(tok_path))
+    for _ in range(2):
+        giga.encode("warm <|im_start|>user\nhello<|im_end|>\n" * 50)
+    hf = Tokenizer.from_file(str(tok_path))
+    texts = [ref.render(m, **options) for m in reqs]
+    want_ids = [np.asarray(giga.encode(t), dtype=np.int64) for t in texts]
+    exact = {s: True for s in SYSTEMS}
+    for i in (0, len(texts) - 1):
+        if hf.encode(texts[i], add_special_tokens=False).ids != want_ids[i].tolist():
+            exact["jinja2+gigatoken"] = exact["minijinja+gigatoken"] = False
+    times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    stats = {}
+
+    # ours: a warm session (the base conversation rendered and tokenized, untimed)
+    chat = ChatSession(src, specials, trust_identity=args.reuse_objects)
+    tok = load_tokenizer(str(tok_path)).session(add_special_tokens=False)
+    base = ref.render(conv[:start - 2] if start > 2 else conv[:1], **options)
+    r = chat.render(conv[:start - 2] if start > 2 else conv[:1], **options)
+    assert r.text == base
+    tok.update(r.text)
+    extends = 0
+    gc.collect()
+    for i, msgs in enumerate(reqs):
+        t0 = time.perf_counter_ns()
+        r = chat.render(msgs, **options)
+        if r.extends_previous:
+            ids = tok.append(r.delta)
+            extends += 1
+        else:
+            ids = tok.update(r.text)
+        times["ours"].append((time.perf_counter_ns() - t0) / 1e6)
+        if r.text != texts[i] or not np.array_equal(np.asarray(ids, dtype=np.int64), want_ids[i]):
+            exact["ours"] = False
+        if i in (0, len(reqs) - 1) and ids.tolist() != hf.encode(texts[i], add_special_tokens=False).ids:
+            exact["ours"] = False
+    stats["ours_routes"] = {k: v for k, v in chat.stats.items()}
+    stats["ours_append_share"] = extends / len(reqs)
+
+    for i, msgs in enumerate(reqs):
+        t0 = time.perf_counter_ns()
+        text = ref.render(msgs, **options)
+        ids = giga.encode(text)
+        times["jinja2+gigatoken"].append((time.perf_counter_ns() - t0) / 1e6)
+        t0 = time.perf_counter_ns()
+        text2 = mini.render(msgs, **options)
+        ids2 = giga.encode(text2)
+        times["minijinja+gigatoken"].append((time.perf_counter_ns() - t0) / 1e6)
+        if text2 != texts[i] or not np.array_equal(np.asarray(ids2, dtype=np.int64), want_ids[i]):
+            exact["minijinja+gigatoken"] = False
+        del ids
+    if args.hf_samples:
+        from transformers import AutoTokenizer
+
+        folder = Path(args.out) / f"hf_{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for f, target in (("tokenizer.json", tok_path), ("tokenizer_config.json", cfg)):
+            link = folder / f
+            if not link.exists():
+                link.symlink_to(Path(target).resolve())
+        hft = AutoTokenizer.from_pretrained(str(folder))
+        for i, msgs in enumerate(reqs[: args.hf_samples]):
+            t0 = time.perf_counter_ns()
+            ids = hft.apply_chat_template(msgs, tokenize=True, return_dict=False, **options)
+            times["transformers"].append((time.perf_counter_ns() - t0) / 1e6)
+            if ids != want_ids[i].tolist():
+                exact["transformers"] = False
+    row = {"template": name, "size": size, "chars": len(texts[-1]), "messages": len(reqs[-1]),
+           "minijinja_admitted": admitted, "exact": exact, **stats}
+    for s in SYSTEMS:
+        row[s] = {"n": len(times[s]), "p50": A.percentile(times[s], 50), "p90": A.percentile(times[s], 90)}
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'template':12} {'size':>8} {'msgs':>5} | " + " | ".join(f"{s:>22}" for s in SYSTEMS)
+            + " | mini/ours  exact")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for s in SYSTEMS:
+            st = r[s]
+            cell = "-" if not st["n"] else f"{st['p50']:.3f}/{st['p90']:.3f} n={st['n']}"
+            cells.append(f"{cell:>22}")
+        ratio = r["minijinja+gigatoken"]["p50"] / r["ours"]["p50"]
+        bad = [s for s, ok in r["exact"].items() if not ok and r[s]["n"]]
+        lines.append(f"{r['template']:12} {r['size']:>8} {r['messages']:>5} | " + " | ".join(cells)
+                     + f" | {A.fmt_ratio(ratio):>9}  {'INEXACT: ' + ','.join(bad) if bad else 'yes'}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["template"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        rs = [r for r in rows if r["template"] == name]
+        for s in SYSTEMS:
+            pts = [(r["size"], r[s]["p50"]) for r in rs if r[s]["n"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=s, color=COLORS[s])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("conversation (chars)")
+        ax.set_ylabel("p50 per turn (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--templates", default="qwen3,qwen2_5,deepseek_v3,gemma3,llama3_1")
+    p.add_argument("--sizes", default="100000,1000000,3000000")
+    p.add_argument("--samples", type=int, default=24)
+    p.add_argument("--hf-samples", type=int, default=3, help="transformers samples per cell (0: skip)")
+    p.add_argument("--reuse-objects", action="store_true", help="pass the previous list plus new dicts")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
+    p.add_argument("--shared", default=None)
+    args = p.parse_args(argv)
+    shared = A.shared_dir(args.shared)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.templates.split(","):
+        for size in map(int, args.sizes.split(",")):
+            rows.append(run(name, size, args, shared))
+            print(f"[{name} {size}] ours routes {rows[-1]['ours_routes']}", file=sys.stderr, flush=True)
+    print(f"# chat turns, ms p50/p90; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{platform.python_version()}, {'reused objects' if args.reuse_objects else 'messages from JSON'}")
+    print(table(rows))
+    Path(args.out, "chat.json").write_text(json.dumps({"rows": rows, "revision": A.core_revision(),
+                                                       "reuse_objects": args.reuse_objects}, indent=1))
+    plot(rows, Path(args.out, "chat.png"))
+    print(f"wrote {args.out}/chat.json, chat.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

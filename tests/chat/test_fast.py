@@ -1,0 +1,57 @@
+"""minijinja admission (toktier_backend/chat/fast.py) and the JSON helper (toktier_backend/jsonio.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.chat.conftest import hf_tokenizer
+from tests.chat.corpus import TEMPLATES, template_source
+from toktier_backend import jsonio
+from toktier_backend.chat.fast import PROBES, MiniJinjaRenderer, admit
+from toktier_backend.chat.template import special_tokens
+from toktier_backend.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_admitted_and_equal_to_transformers(name, folder):
+    """Each shared template is admitted, and the admitted renderer equals transformers on every probe."""
+    src, cfg = template_source(name)
+    adm = admit(src, special_tokens(cfg))
+    assert adm.reason is None and adm.renderer is not None
+    hf = hf_tokenizer(str(folder(name)))
+    for messages, options in PROBES:
+        if not messages:  # transformers refuses an empty conversation before the template runs
+            continue
+        try:
+            want = hf.apply_chat_template(messages, tokenize=False, **options)
+        except Exception:  # noqa: BLE001 - refused by the reference: must be refused here too
+            with pytest.raises(InvalidRequest):
+                adm.renderer.render(messages, **options)
+            continue
+        assert adm.renderer.render(messages, **options) == want
+
+
+def test_refused_when_output_differs():
+    """minijinja's own tojson is bypassed, but a template using a Python method minijinja lacks (or a tag
+    it does not know) is refused, with the reason."""
+    src = "{% for m in messages %}{{ m.content.zfill(8) }}{% endfor %}"
+    assert admit(src).renderer is None
+    tag = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    adm = admit(tag)
+    assert adm.renderer is None and "compile" in adm.reason
+
+
+def test_tojson_not_html_escaped():
+    r = MiniJinjaRenderer("{{ tools|tojson }}")
+    assert r.render([], tools=[{"a": "<b>&'"}]) == json.dumps([{"a": "<b>&'"}], ensure_ascii=False)
+
+
+def test_jsonio():
+    body = json.dumps({"messages": [{"role": "user", "content": "hé 😀", "n": 1.5}]}).encode()
+    assert jsonio.loads(body) == json.loads(body)
+    with pytest.raises(InvalidRequest):
+        jsonio.loads(b'{"a": NaN}')
+    with pytest.raises(InvalidRequest):
+        jsonio.loads(b'{"a": ')

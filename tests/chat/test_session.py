@@ -1,0 +1,234 @@
+"""Incremental chat rendering (toktier_backend/chat/session.py) against transformers' ``apply_chat_template``.
+
+Every step is compared as text (``tokenize=False``) and as ids (``tokenize=True`` against our tokenizer
+session fed ``append(delta)`` when the render extends the previous text, else ``update(text)``), on the six
+shared templates with real SWE-agent trajectories replayed turn by turn, random edits of history, and
+templates that defeat the analysis. Each test also asserts that the incremental path ran (records reused).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.chat.conftest import hf_tokenizer, our_tokenizer
+from tests.chat.corpus import TEMPLATES, TOOL_TEMPLATES, alternating, conversation, template_source, trajectories
+from toktier_backend.chat.session import ChatSession
+from toktier_backend.chat.template import special_tokens
+from toktier_backend.errors import InvalidRequest
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command <cmd> & 'quote'",
+                                           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                                          "required": ["cmd"]}}}]
+ODD = ["Ünïcødé 😀 日本語", "<|im_end|> <|eot_id|> <｜User｜> <start_of_turn>", "{{ not jinja }} {% raw %}",
+       "  padded\n\n", "\t'm \"quoted\"\r\n", "</think>tail", "<tool_response>x</tool_response>"]
+
+
+class Checker:
+    """Renders through one :class:`ChatSession` and one tokenizer session, asserting each step against
+    transformers, and tracks the previous text to check the departure."""
+
+    def __init__(self, name: str, folder, template: str | None = None):
+        self.name = name
+        self.path = str(folder(name))
+        self.hf = hf_tokenizer(self.path)
+        source, cfg = template_source(name)
+        self.template = template or source
+        self.chat = ChatSession(self.template, special_tokens(cfg))
+        self.tok = our_tokenizer(self.path).session(add_special_tokens=False)
+        self.prev = ""
+        self.tok_text = ""  # the text the tokenizer session holds
+        self.steps = 0
+
+    def reference(self, messages, *, tokenize, **options):
+        extra = {} if self.template is None else {"chat_template": self.template}
+        return self.hf.apply_chat_template(messages, tokenize=tokenize, return_dict=False, **extra, **options)
+
+    def step(self, messages, *, ids: bool = True, **options) -> str | None:
+        try:
+            want = self.reference(messages, tokenize=False, **options)
+        except Exception as e:  # noqa: BLE001 - the template refused: ours must refuse too
+            with pytest.raises(InvalidRequest):
+                self.chat.render(messages, **options)
+            return type(e).__name__
+        r = self.chat.render(messages, **options)
+        assert r.text == want, (self.name, len(messages), options)
+        d = r.departure
+        assert want[:d] == self.prev[:d]
+        assert d == len(self.prev) or d == len(want) or want[d] != self.prev[d]
+        assert r.delta == want[d:]
+        assert r.previous_length == len(self.prev)
+        if ids:
+            synced = self.tok_text is self.prev
+            got = self.tok.append(r.delta) if r.extends_previous and synced else self.tok.update(r.text)
+            self.tok_text = want
+            assert got.tolist() == self.reference(messages, tokenize=True, **options), (self.name, len(messages))
+        self.prev = want
+        self.steps += 1
+        return None
+
+
+def _files():
+    files = trajectories()
+    fc = [f for f in files if "function_calling" in f.name]
+    plain = [f for f in files if "function_calling" not in f.name and "demonstrations_replay" in f.name]
+    return fc[0], plain[0]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_replay_trajectories(name, folder):
+    """Turn by turn: a request ends at a user/tool message (generation prompt on), then the assistant's
+    reply is appended (prompt off): the generation prompt is replaced by the message. After the first
+    request each step renders O(new messages) iterations per loop: at most 3 (the new message, the old last
+    one when it read ``loop.last``, a reverse scan's match), also for qwen3 when observations come as user
+    turns: each new user query moves ``last_query_index``, but earlier turns recorded the outcome of
+    ``loop.index0 > ns.last_query_index``, not its value (analysis O6)."""
+    check = Checker(name, folder)
+    loops = sum(1 for seg in check.chat.plan.segments if hasattr(seg, "body"))
+    for path in _files():
+        conv = conversation(name, path)[:18]
+        options = {"tools": TOOLS} if name in TOOL_TEMPLATES and "function_calling" in path.name else {}
+        check.chat.reset()
+        check.tok = our_tokenizer(check.path).session(add_special_tokens=False)
+        check.prev = check.tok_text = ""
+        per_step = []
+        for i in range(2, len(conv) + 1):
+            agp = conv[i - 1]["role"] != "assistant"
+            before = check.chat.stats["iterations_rendered"]
+            check.step(conv[:i], ids=i % 3 == 0 or i == len(conv), add_generation_prompt=agp, **options)
+            per_step.append(check.chat.stats["iterations_rendered"] - before)
+        assert max(per_step[1:]) <= 3 * loops, per_step
+    assert check.chat.stats["incremental"] == check.steps
+    assert check.chat.stats["iterations_reused"] > 100
+
+
+def _edit(rng: random.Random, conv: list[dict], name: str) -> list[dict]:
+    conv = [dict(m) for m in conv]
+    op = rng.choice(["truncate", "rewrite", "delete", "insert", "system", "append", "append"])
+    body = [i for i, m in enumerate(conv) if m["role"] != "system"]
+    if op == "truncate" and len(conv) > 3:
+        conv = conv[: rng.randrange(2, len(conv))]
+    elif op == "rewrite" and body:
+        i = rng.choice(body)
+        conv[i]["content"] = rng.choice(ODD) + conv[i]["content"][: rng.randrange(0, 200)]
+    elif op == "delete" and len(body) > 2:
+        del conv[rng.choice(body[:-1])]
+    elif op == "insert" and body:
+        conv.insert(rng.choice(body), {"role": "user", "content": rng.choice(ODD)})
+    elif op == "system":
+        if conv and conv[0]["role"] == "system":
+            conv = conv[1:]
+        else:
+            conv = [{"role": "system", "content": "You are terse. " + rng.choice(ODD)}] + conv
+    else:
+        role = "user" if not conv or conv[-1]["role"] != "user" else "assistant"
+        m = {"role": role, "content": rng.choice(ODD) + " reply"}
+        if role == "assistant" and rng.random() < 0.5:
+            m["reasoning_content"] = "thinking about " + rng.choice(ODD)
+        conv.append(m)
+    return alternating(conv) if name == "gemma3" and rng.random() < 0.8 else conv
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_random_edits(name, folder):
+    """Truncations, rewrites, deletions and insertions of history, the system message toggled, tools, the
+    generation prompt and continue_final_message switched, enable_thinking: every step exact (or refused by
+    both, e.g. gemma3's alternation rule)."""
+    rng = random.Random(1717 + TEMPLATES.index(name))
+    check = Checker(name, folder)
+    conv = conversation(name, _files()[1])[:10]
+    refused = 0
+    for step in range(30):
+        conv = _edit(rng, conv, name)
+        options = {}
+        if name in TOOL_TEMPLATES and rng.random() < 0.3:
+            options["tools"] = TOOLS
+        if name == "qwen3" and rng.random() < 0.3:
+            options["enable_thinking"] = rng.random() < 0.5
+        if conv and conv[-1]["role"] == "assistant" and rng.random() < 0.3:
+            options["continue_final_message"] = True
+        else:
+            options["add_generation_prompt"] = rng.random() < 0.7
+        refused += check.step(conv, ids=step % 4 == 0, **options) is not None
+    assert check.chat.stats["incremental"] == check.steps  # no fallback: every accepted step was incremental
+    assert refused < 22
+
+
+def test_scalar_types_and_key_order(folder):
+    """``1``, ``1.0`` and ``True`` are equal in Python but not in the text (qwen3 writes dict arguments with
+    tojson); nor are two key orders. Each variant must re-render its message."""
+    check = Checker("qwen3", folder)
+    base = [{"role": "user", "content": "go"}]
+    for args in ({"a": 1, "b": "x"}, {"a": 1.0, "b": "x"}, {"a": True, "b": "x"}, {"b": "x", "a": True},
+                 {"b": "x", "a": True}):
+        call = [{"type": "function", "function": {"name": "f", "arguments": args}}]
+        conv = base + [{"role": "assistant", "content": "", "tool_calls": call}, {"role": "tool", "content": "ok"}]
+        check.step(conv, add_generation_prompt=True, tools=TOOLS)
+    assert check.chat.stats["incremental"] == 5
+
+
+def test_mutated_in_place(folder):
+    """The caller edits a message dict it already passed: the session compares against its own copies."""
+    check = Checker("llama3_1", folder)
+    conv = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]
+    check.step(conv, add_generation_prompt=False)
+    conv[0]["content"] = "uno"
+    check.step(conv, add_generation_prompt=False)
+    conv.append({"role": "user", "content": "three"})
+    check.step(conv, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_trust_identity(name, folder):
+    """``trust_identity=True``: an in-process caller appends to its own list (same objects); exact every
+    step, including after continue_final_message tagged the last message."""
+    check = Checker(name, folder)
+    check.chat = ChatSession(check.template, special_tokens(template_source(name)[1]), trust_identity=True)
+    conv = conversation(name, _files()[1])[:12]
+    msgs = conv[:2]
+    for i in range(2, len(conv)):
+        last = msgs[-1]["role"] == "assistant"
+        if last and i % 3 == 0:
+            check.step(msgs, ids=False, continue_final_message=True)
+        check.step(msgs, ids=False, add_generation_prompt=not last)
+        msgs.append(conv[i])
+    assert check.chat.stats["iterations_reused"] > 0
+
+
+def test_refusal_keeps_state(folder):
+    """gemma3 refuses non-alternating roles (raise_exception): InvalidRequest, and the next request is
+    still exact."""
+    check = Checker("gemma3", folder)
+    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    check.step(conv, add_generation_prompt=True)
+    with pytest.raises(InvalidRequest):
+        check.chat.render(conv + [{"role": "assistant", "content": "c"}], add_generation_prompt=True)
+    check.step(conv + [{"role": "user", "content": "c"}], add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("template, reason", [
+    ("{% macro turn(m) %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endmacro %}"
+     "{% for m in messages %}{{ turn(m) }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+     "full:template"),
+    ("{% for m in messages %}{% if loop.changed(m.role) %}<|im_start|>{{ m.role }}\n{% endif %}{{ m.content }}"
+     "<|im_end|>\n{% endfor %}", "full:loop.changed"),
+    ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + m.content|length %}"
+     "<|im_start|>{{ m.role }} {{ ns.n }}\n{{ m.content }}<|im_end|>\n{% endfor %}", "incremental"),
+])
+def test_templates_that_defeat_the_analysis(template, reason, folder):
+    """Fallbacks are exact and counted with their reason; a namespace carried across turns is incremental."""
+    check = Checker("qwen2_5", folder, template=template)
+    conv = conversation("qwen2_5", _files()[1])[:8]
+    for i in range(2, len(conv) + 1):
+        check.step(conv[:i], add_generation_prompt=i % 2 == 0)
+    routes = [k for k in check.chat.stats if k.startswith(reason)]
+    assert routes and sum(check.chat.stats[k] for k in routes) == check.steps
+
+
+def test_full_render_hook(folder):
+    check = Checker("deepseek_v3", folder)
+    conv = conversation("deepseek_v3", _files()[0])[:6]
+    assert check.chat.full_render(conv, add_generation_prompt=True) == check.reference(
+        conv, tokenize=False, add_generation_prompt=True)
+    assert check.chat.stats["incremental"] == 0

@@ -1,0 +1,618 @@
+"""Static analysis of a chat template: may it be rendered one ``messages`` iteration at a time?
+
+:func:`analyze` parses the template (``Environment.parse``, the same environment the full render uses) and
+splits the root's statements into *segments*, in order:
+
+- a **loop segment** is a root-level ``{% for x in <messages form> %}`` whose iterable is ``messages``,
+  ``messages[c:]``, ``messages[::-1]``, ``messages|reverse``, or a root-level name assigned only such forms
+  (``loop_messages``). Its body becomes its own template, rendered once per iteration by
+  :mod:`.session`;
+- a **plain segment** is every run of other root statements (prologue, epilogue, code between loops); it is
+  re-rendered in full on every request.
+
+The proof obligations that make "render the segments one after another, a loop one iteration at a time" equal
+to the full render (each is checked here; a template failing one gets ``Plan.reason`` and is always rendered
+whole):
+
+O1. Concatenation: the root template's output is the concatenation of its statements' outputs, so
+    concatenating the segments' outputs is the full output, if every name a segment reads has the value
+    the full render would give it there. Root-level ``set`` targets are exported by one segment and passed
+    to the next as variables; names set inside a loop body are local to one iteration in jinja (the compiled
+    body re-resolves them from the outer context at each iteration start), which is also what a fresh render
+    of the body template does. No ``extends``/``block``/``include``/``import``/``macro``/``call`` at root:
+    they bind names or templates across segments in ways O1 does not cover.
+O2. The loop is a plain iteration: no ``else``, no ``if`` filter, not ``recursive``, a single name as
+    target, no ``break``/``continue`` at body level (they act on the loop the body no longer sits in); a
+    loop over messages nested anywhere but at root is not handled (the whole template renders in full).
+O3. What an iteration reads: the body's free names (``jinja2.meta.find_undeclared_variables``) are the loop
+    target (the message: reused only for the same message object, and the session reuses an object only for
+    a message equal to the previous request's, see :mod:`.session`), ``loop`` (a recording stand-in whose
+    every attribute read is recorded with its value, then checked against the new position and length),
+    ``messages`` (only through ``messages[i]`` and the ``length``/``count``/``first``/``last`` filters,
+    each recorded: the highest index read, or "depends on the length"), namespaces (every attribute read
+    before the iteration wrote it is recorded with its value; writes are recorded), and other outer values,
+    compared whole between requests (any change: no iteration is reused). Deterministic globals only:
+    ``strftime_now`` and the ``random``/``lipsum``/``cycler``/``joiner`` helpers in a body, and outer
+    values that are not plain JSON or namespaces (macros, cyclers), disqualify reuse.
+O4. Determinism: given equal recorded reads, the body takes the same branches and produces the same output
+    and the same namespace writes (jinja expressions are pure over the sandbox's immutable values; the only
+    mutable objects are namespaces, whose reads are recorded). An iteration that raised is never cached:
+    the request falls back to the full render, which raises the same error.
+O5. Inlining (to make reads lazy): a body-level ``{% set v = e %}`` where ``e`` is built only from integer
+    constants, ``loop.<attr>``, ``messages|length`` and ``+ - *`` (total: it cannot raise and has no effect),
+    ``v`` is assigned nowhere else in the body, is not read before it, and is not read inside a nested loop
+    (where ``loop`` means another loop), is removed and ``e`` substituted at each read of ``v``: the value is
+    the same at every read, so output is unchanged, while an iteration that never reads ``v`` no longer
+    records the reads of ``e``. (Qwen3's reverse scan: ``index`` is computed from ``loop.index0`` and the
+    length but read only when the user query is found.)
+O6. Comparisons: ``x.attr <op> e`` (or ``e <op> x.attr``) with ``<op>`` one of ``== != > >= < <=`` and
+    ``e`` total as in O5 is rewritten to a call of the recorder with ``x``'s name, the attribute, the op and
+    ``e``; it evaluates exactly what jinja would (the sandbox's ``getattr``, then Python's operator) and,
+    when ``x`` is a namespace, records the outcome instead of the value: the iteration depends on
+    ``x.attr`` only through that outcome. (Qwen3's ``loop.index0 > ns.last_query_index``: a new user query
+    moves the index but leaves the outcome of earlier turns unchanged.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toktier_backend.errors import UnsupportedTokenizer
+
+COMPARE = "toktier_compare__"  # the body's name for the comparison recorder (O6)
+_CMP_OPS = frozenset({"eq", "ne", "gt", "gteq", "lt", "lteq"})
+_NONDETERMINISTIC = frozenset({"strftime_now", "lipsum", "cycler", "joiner"})
+_MESSAGE_FILTERS = frozenset({"length", "count", "first", "last"})
+_ROOT_UNSUPPORTED = ("Extends", "Block", "Include", "Import", "FromImport", "Macro", "CallBlock", "Scope",
+                     "ScopedEvalContextModifier", "OverlayScope")
+
+
+@dataclass(frozen=True)
+class IterForm:
+    """A loop's iterable as positions in ``messages``: ``messages[start:]`` forward, or all of it reversed."""
+
+    start: int
+    reverse: bool
+
+
+@dataclass
+class LoopSegment:
+    """A root loop over messages. ``forms`` holds one entry for a direct iterable, or the candidates of an
+    alias (which one ran is decided at render time by comparing the alias's value with each)."""
+
+    target: str
+    alias: str | None
+    forms: tuple[IterForm, ...]
+    body: object  # jinja2 Template of the (inlined) body
+    free: frozenset[str]
+    uses_messages: bool
+
+
+@dataclass
+class PlainSegment:
+    template: object  # jinja2 Template
+
+
+@dataclass
+class Plan:
+    """Result of :func:`analyze`. ``reason`` is ``None`` when the template renders incrementally, else why not."""
+
+    segments: list = field(default_factory=list)
+    reason: str | None = None
+    inlined: tuple[str, ...] = ()
+    observes_message_order: bool = True  # may the template see a message dict's key order (O3, messages)
+    # paths inside a message (keys; "*" any key or index) where a dict's key order may be seen: iterated
+    # (flat) or written out with everything under it (deep); None: anywhere (not analysed)
+    order_paths: tuple[frozenset, frozenset] | None = None
+
+    @property
+    def incremental(self) -> bool:
+        return self.reason is None
+
+
+def analyze(source: str) -> Plan:
+    """Split ``source`` into segments (module docstring) or give the reason it must render whole.
+
+    Raises:
+        UnsupportedTokenizer: the template does not parse.
+    """
+    import jinja2
+
+    from toktier_backend.chat.template import sandbox_environment
+
+    env = sandbox_environment()
+    try:
+        root = env.parse(source)
+    except jinja2.TemplateError as e:
+        raise UnsupportedTokenizer(f"chat template does not compile: {e}") from e
+    try:
+        plan = _plan(env, root)
+    except _NotIncremental as e:
+        return Plan(reason=str(e))
+    plan.observes_message_order = _observes_message_order(root, _aliases(root))
+    plan.order_paths = _order_paths(root, _aliases(root))
+    return plan
+
+
+class _NotIncremental(Exception):
+    pass
+
+
+def _plan(env, root) -> Plan:
+    from jinja2 import nodes
+
+    for node in root.body:
+        if type(node).__name__ in _ROOT_UNSUPPORTED:
+            raise _NotIncremental(f"root-level {type(node).__name__} (O1)")
+    aliases = _aliases(root)
+    plan = Plan()
+    pending: list = []
+    loops = 0
+    for node in root.body:
+        forms = _iter_forms(node, aliases) if isinstance(node, nodes.For) else None
+        if forms is None:
+            if _mentions_message_loop(node, aliases):
+                raise _NotIncremental(f"a loop over messages that is not at root level, line {node.lineno} (O2)")
+            pending.append(node)
+            continue
+        if pending:
+            plan.segments.append(PlainSegment(_template(env, pending)))
+            pending = []
+        plan.segments.append(_loop_segment(env, node, forms, aliases, plan))
+        loops += 1
+    if pending:
+        plan.segments.append(PlainSegment(_template(env, pending)))
+    if not loops:
+        raise _NotIncremental("no root-level loop over messages")
+    return plan
+
+
+def _template(env, body):
+    from jinja2 import nodes
+
+    return env.from_string(nodes.Template(body, lineno=1).set_environment(env))
+
+
+def _message_form(expr) -> IterForm | None:
+    from jinja2 import nodes
+
+    if isinstance(expr, nodes.Name) and expr.name == "messages":
+        return IterForm(0, False)
+    if isinstance(expr, nodes.Filter) and expr.name == "reverse" and not (expr.args or expr.kwargs or expr.dyn_args
+                                                                          or expr.dyn_kwargs):
+        inner = _message_form(expr.node)
+        return IterForm(0, True) if inner == IterForm(0, False) else None
+    if (isinstance(expr, nodes.Getitem) and isinstance(expr.node, nodes.Name) and expr.node.name == "messages"
+            and isinstance(expr.arg, nodes.Slice) and expr.arg.stop is None):
+        start, step = _const_int(expr.arg.start), _const_int(expr.arg.step)
+        if expr.arg.step is None or step == 1:
+            s = 0 if expr.arg.start is None else start
+            if s is not None and s >= 0:
+                return IterForm(s, False)
+        elif step == -1 and expr.arg.start is None:
+            return IterForm(0, True)
+    return None
+
+
+def _const_int(expr):
+    from jinja2 import nodes
+
+    if isinstance(expr, nodes.Const) and type(expr.value) is int:
+        return expr.value
+    if isinstance(expr, nodes.Neg):
+        inner = _const_int(expr.node)
+        return None if inner is None else -inner
+    return None
+
+
+def _aliases(root) -> dict[str, tuple[IterForm, ...]]:
+    """Root-level names assigned only messages forms (in root statements or root ``if`` branches, never in a
+    loop): name -> the candidate forms. A name assigned anything else anywhere is not an alias."""
+    from jinja2 import nodes
+
+    found: dict[str, list] = {}
+    bad: set[str] = set()
+
+    def visit(stmts, in_loop):
+        for n in stmts:
+            if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name):
+                form = _message_form(n.node)
+                if form is None or in_loop:
+                    bad.add(n.target.name)
+                else:
+                    found.setdefault(n.target.name, []).append(form)
+            for child in n.iter_child_nodes():
+                if isinstance(child, nodes.Stmt):
+                    visit([child], in_loop or isinstance(n, (nodes.For, nodes.Macro, nodes.CallBlock)))
+            if isinstance(n, nodes.AssignBlock) and isinstance(n.target, nodes.Name):
+                bad.add(n.target.name)
+            if isinstance(n, nodes.For):
+                for t in n.target.find_all(nodes.Name):
+                    bad.add(t.name)
+
+    visit(root.body, False)
+    return {k: tuple(dict.fromkeys(v)) for k, v in found.items() if k not in bad}
+
+
+def _iter_forms(node, aliases) -> tuple[IterForm, ...] | None:
+    from jinja2 import nodes
+
+    form = _message_form(node.iter)
+    if form is not None:
+        return (form,)
+    if isinstance(node.iter, nodes.Name) and node.iter.name in aliases:
+        return aliases[node.iter.name]
+    return None
+
+
+def _mentions_message_loop(node, aliases) -> bool:
+    from jinja2 import nodes
+
+    return any(_iter_forms(f, aliases) is not None for f in node.find_all(nodes.For))
+
+
+def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
+    import jinja2.meta
+    from jinja2 import nodes
+
+    where = f"line {node.lineno}"
+    if node.else_ or node.test is not None or node.recursive:
+        raise _NotIncremental(f"the loop at {where} has else/if/recursive (O2)")
+    if not isinstance(node.target, nodes.Name):
+        raise _NotIncremental(f"the loop at {where} unpacks its target (O2)")
+    for ctl in _outside_nested_loops(node.body, (nodes.Break, nodes.Continue)):
+        raise _NotIncremental(f"break/continue in the loop body at line {ctl.lineno} (O2)")
+    for f in node.find_all(nodes.For):
+        if _iter_forms(f, aliases) is not None:
+            raise _NotIncremental(f"a loop over messages inside the loop at {where} (O2)")
+    body = list(node.body)
+    body, inlined = _inline(body)
+    plan.inlined += inlined
+    body = [_rewrite_compares(stmt) for stmt in body]
+    tmpl_node = nodes.Template(body, lineno=1).set_environment(env)
+    free = frozenset(jinja2.meta.find_undeclared_variables(tmpl_node)) - {COMPARE}
+    loaded = {n.name for n in tmpl_node.find_all(nodes.Name) if n.ctx == "load"}  # globals are not "free"
+    bad = loaded & _NONDETERMINISTIC
+    if bad:
+        raise _NotIncremental(f"the loop body at {where} calls {sorted(bad)} (O3)")
+    for flt in tmpl_node.find_all(nodes.Filter):
+        if flt.name == "random":
+            raise _NotIncremental(f"the loop body at {where} uses the random filter (O3)")
+    uses_messages = "messages" in free
+    if uses_messages:
+        _check_message_uses(tmpl_node, where)
+    alias = node.iter.name if isinstance(node.iter, nodes.Name) and node.iter.name != "messages" else None
+    if alias is not None and alias in free:
+        raise _NotIncremental(f"the loop body at {where} reads {alias!r} (O3: only messages is modelled)")
+    return LoopSegment(target=node.target.name, alias=alias, forms=forms, body=env.from_string(tmpl_node),
+                       free=free, uses_messages=uses_messages)
+
+
+def _outside_nested_loops(stmts, kinds):
+    from jinja2 import nodes
+
+    for n in stmts:
+        if isinstance(n, kinds):
+            yield n
+        if isinstance(n, nodes.For):
+            continue
+        yield from _outside_nested_loops(list(n.iter_child_nodes()), kinds)
+
+
+def _check_message_uses(tmpl_node, where) -> None:
+    """``messages`` only as ``messages[i]``, ``messages|length`` (count/first/last), a loop iterable or a
+    test operand (O3); anything else (a method call, ``messages.x``) is not modelled."""
+    from jinja2 import nodes
+
+    allowed: set[int] = set()
+    for n in tmpl_node.find_all(nodes.Getitem):
+        if isinstance(n.node, nodes.Name):
+            allowed.add(id(n.node))
+    for n in tmpl_node.find_all(nodes.Filter):
+        if n.name in _MESSAGE_FILTERS and isinstance(n.node, nodes.Name):
+            allowed.add(id(n.node))
+    for n in tmpl_node.find_all(nodes.Test):
+        if isinstance(n.node, nodes.Name):
+            allowed.add(id(n.node))
+    for n in tmpl_node.find_all(nodes.For):
+        if isinstance(n.iter, nodes.Name):
+            allowed.add(id(n.iter))
+    for n in tmpl_node.find_all(nodes.Name):
+        if n.name == "messages" and n.ctx == "load" and id(n) not in allowed:
+            raise _NotIncremental(f"the loop body at {where} uses messages at line {n.lineno} in a way that is "
+                                  "not modelled (O3)")
+
+
+def _observes_message_order(root, aliases) -> bool:
+    """Could the template see the key order of a message dict? A message (a loop target over messages, or
+    ``messages[i]``) used only as the base of ``.attr``/``[key]`` (not ``items``/``keys``/``values``) or as
+    a test operand cannot; any other use (output, a filter, iteration, a call argument, an assignment) is
+    taken to see it. Then the session compares key order too (module docstring of :mod:`.session`)."""
+    from jinja2 import nodes
+
+    lists = {"messages", *aliases}
+    targets = set()
+    for f in root.find_all(nodes.For):
+        if _iter_forms(f, aliases) is not None and isinstance(f.target, nodes.Name):
+            targets.add(f.target.name)
+    parent: dict[int, object] = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for c in n.iter_child_nodes():
+            parent[id(c)] = n
+            stack.append(c)
+
+    def message_expr(n) -> bool:
+        if isinstance(n, nodes.Name) and n.ctx == "load" and n.name in targets:
+            return True
+        return (isinstance(n, nodes.Getitem) and isinstance(n.node, nodes.Name) and n.node.name in lists
+                and not isinstance(n.arg, nodes.Slice))
+
+    for n in root.find_all((nodes.Name, nodes.Getitem)):
+        if isinstance(n, nodes.Name) and n.name in lists and n.ctx == "load":
+            up = parent.get(id(n))
+            if isinstance(up, nodes.Getitem) and up.node is n and not isinstance(up.arg, nodes.Slice):
+                continue
+            if isinstance(up, nodes.Filter) and up.node is n and up.name in ("length", "count"):
+                continue
+            if isinstance(up, nodes.Test) and up.node is n:
+                continue
+            if isinstance(up, nodes.For) and up.iter is n:
+                continue
+            if isinstance(up, nodes.Assign) and up.node is n:
+                continue
+            if isinstance(up, nodes.Getitem) and up.node is n and isinstance(up.arg, nodes.Slice):
+                continue  # a slice is a list of the same messages: its uses are those of the alias
+            return True
+        if not message_expr(n):
+            continue
+        up = parent.get(id(n))
+        if isinstance(up, nodes.Getattr) and up.node is n and up.attr not in ("items", "keys", "values"):
+            continue
+        if isinstance(up, nodes.Getitem) and up.node is n:
+            continue
+        if isinstance(up, nodes.Test) and up.node is n:
+            continue
+        if isinstance(up, nodes.Getitem) and up.node is not n and isinstance(n, nodes.Name):
+            continue  # used as an index: cannot be (a dict is not an index)
+        return True
+    return False
+
+
+_STR_METHODS = frozenset({"startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "lower",
+                          "upper", "replace", "title", "capitalize", "find", "rfind", "count"})
+_ORDER_FREE_FILTERS = frozenset({"length", "count"})
+_MAX_PATH = 8
+
+
+def _order_paths(root, aliases):
+    """Where a message value's dict key order may reach the output (for :mod:`.session`'s strict compare).
+
+    Values derived from a message are tracked as paths (``("tool_calls", "*", "function")``) through
+    ``.attr``/``[key]``, loop targets (``"*"``) and ``set`` (flow-insensitive, to a fixpoint). A use as
+    an ``if``/test operand, ``==``/``!=``/``in`` operand, ``length`` filter or a str method call cannot
+    see dict order; iteration sees the order of that dict (flat); anything else (output, other filters,
+    call arguments, namespace writes, concatenation) is taken to see every dict under it (deep).
+    """
+    from jinja2 import nodes
+
+    lists = {"messages", *aliases}
+    env: dict[str, set] = {}
+    for f in root.find_all(nodes.For):
+        if _iter_forms(f, aliases) is not None and isinstance(f.target, nodes.Name):
+            env.setdefault(f.target.name, set()).add(())
+
+    def paths(e) -> set:
+        if isinstance(e, nodes.Name):
+            return env.get(e.name, set()) if e.ctx == "load" else set()
+        if isinstance(e, nodes.Getattr):
+            return {p + (e.attr,) for p in paths(e.node)}
+        if isinstance(e, nodes.Getitem):
+            if isinstance(e.node, nodes.Name) and e.node.name in lists and not isinstance(e.arg, nodes.Slice):
+                return {()}
+            key = e.arg.value if isinstance(e.arg, nodes.Const) and isinstance(e.arg.value, str) else "*"
+            return {p + (key,) for p in paths(e.node)}
+        if isinstance(e, nodes.CondExpr):
+            return paths(e.expr1) | (paths(e.expr2) if e.expr2 is not None else set())
+        if isinstance(e, nodes.Call) and isinstance(e.node, nodes.Getattr) and e.node.attr == "get" and e.args \
+                and isinstance(e.args[0], nodes.Const) and isinstance(e.args[0].value, str):
+            return {p + (e.args[0].value,) for p in paths(e.node.node)}
+        return set()
+
+    truncated: set = set()
+
+    def cap(ps: set) -> set:
+        # a self-referential ``set x = x.attr`` makes paths grow without end: past _MAX_PATH keys a path is
+        # cut, and everything under the cut is taken as seen (deep)
+        out = set()
+        for p in ps:
+            if len(p) > _MAX_PATH:
+                p = p[:_MAX_PATH]
+                truncated.add(p)
+            out.add(p)
+        return out
+
+    changed = True
+    while changed:
+        changed = False
+        for n in root.find_all((nodes.Assign, nodes.For)):
+            if isinstance(n, nodes.For):
+                tgt, src = n.target, cap({p + ("*",) for p in paths(n.iter)})
+            else:
+                tgt, src = n.target, cap(paths(n.node))
+            if isinstance(tgt, nodes.Name) and not src <= env.get(tgt.name, set()):
+                env.setdefault(tgt.name, set()).update(src)
+                changed = True
+
+    parent: dict[int, object] = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for c in n.iter_child_nodes():
+            parent[id(c)] = n
+            stack.append(c)
+    flat: set = set()
+    deep: set = set()
+    for e in root.find_all(nodes.Expr):
+        ps = paths(e)
+        if not ps:
+            continue
+        up = parent.get(id(e))
+        if isinstance(up, (nodes.Getattr, nodes.Getitem)) and up.node is e:
+            gp = parent.get(id(up))
+            if isinstance(up, nodes.Getattr) and isinstance(gp, nodes.Call) and gp.node is up:
+                if up.attr in _STR_METHODS or up.attr == "get":
+                    continue
+                if up.attr in ("items", "keys", "values"):
+                    flat |= ps
+                    continue
+                deep |= ps
+            continue
+        if isinstance(up, nodes.Getitem) and up.arg is e:
+            deep |= ps
+            continue
+        if isinstance(up, (nodes.If, nodes.CondExpr)) and getattr(up, "test", None) is e:
+            continue
+        if isinstance(up, nodes.Test) and up.node is e:
+            continue
+        if isinstance(up, (nodes.Not, nodes.And, nodes.Or)):
+            continue  # truthiness; the and/or value itself is tracked by its own use
+        if isinstance(up, nodes.Operand) and up.op in ("eq", "ne", "in", "notin"):
+            continue
+        if isinstance(up, nodes.Compare) and up.expr is e and all(o.op in ("eq", "ne", "in", "notin")
+                                                                  for o in up.ops):
+            continue
+        if isinstance(up, nodes.Filter) and up.node is e and up.name in _ORDER_FREE_FILTERS:
+            continue
+        if isinstance(up, nodes.For) and up.iter is e:
+            flat |= ps
+            continue
+        if isinstance(up, nodes.Assign) and up.node is e and isinstance(up.target, nodes.Name):
+            continue
+        deep |= ps
+    return frozenset(flat), frozenset(deep | truncated)
+
+
+def path_matches(static: tuple, path: tuple) -> bool:
+    """Does a runtime ``path`` match a ``static`` one (``"*"`` matches any key or index)?"""
+    return len(static) == len(path) and all(a == "*" or a == b for a, b in zip(static, path))
+
+
+def order_observed(order_paths, path: tuple) -> bool:
+    """May a dict at runtime ``path`` (keys; list indices as ``"*"``) have its key order seen?"""
+    if order_paths is None:
+        return True
+    flat, deep = order_paths
+    if any(path_matches(q, path) for q in flat):
+        return True
+    return any(len(q) <= len(path) and path_matches(q, path[:len(q)]) for q in deep)
+
+
+# ---------------------------------------------------------------- O5: inlining total local expressions
+
+
+def _total(expr) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(expr, nodes.Const):
+        return type(expr.value) is int
+    if isinstance(expr, nodes.Getattr):
+        return isinstance(expr.node, nodes.Name) and expr.node.name == "loop" and expr.attr in (
+            "index0", "index", "revindex0", "revindex", "length")
+    if isinstance(expr, nodes.Filter):
+        return (expr.name == "length" and isinstance(expr.node, nodes.Name) and expr.node.name == "messages"
+                and not (expr.args or expr.kwargs or expr.dyn_args or expr.dyn_kwargs))
+    if isinstance(expr, (nodes.Add, nodes.Sub, nodes.Mul)):
+        return _total(expr.left) and _total(expr.right)
+    if isinstance(expr, (nodes.Neg, nodes.Pos)):
+        return _total(expr.node)
+    return False
+
+
+def _inline(body: list) -> tuple[list, tuple[str, ...]]:
+    from jinja2 import nodes
+
+    done = []
+    i = 0
+    while i < len(body):
+        n = body[i]
+        if (isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and _total(n.node)
+                and _inlinable(body, i, n.target.name)):
+            name, expr = n.target.name, n.node
+            body = body[:i] + [_substitute(s, name, expr) for s in body[i + 1:]]
+            done.append(name)
+            continue
+        i += 1
+    return body, tuple(done)
+
+
+def _rewrite_compares(stmt):
+    """O6 (module docstring)."""
+    from jinja2 import nodes
+    from jinja2.visitor import NodeTransformer
+
+    def ns_attr(e):
+        return (isinstance(e, nodes.Getattr) and isinstance(e.node, nodes.Name) and e.node.ctx == "load"
+                and e.node.name not in ("loop", "messages"))
+
+    class Rewrite(NodeTransformer):
+        def visit_Compare(self, node):  # noqa: N802 - jinja visitor naming
+            node = self.generic_visit(node)
+            if len(node.ops) != 1 or node.ops[0].op not in _CMP_OPS:
+                return node
+            left, op, right = node.expr, node.ops[0].op, node.ops[0].expr
+            if ns_attr(left) and _total(right):
+                side, attr_node, other = "left", left, right
+            elif ns_attr(right) and _total(left):
+                side, attr_node, other = "right", right, left
+            else:
+                return node
+            call = nodes.Call(nodes.Name(COMPARE, "load"),
+                              [attr_node.node, nodes.Const(attr_node.node.name), nodes.Const(attr_node.attr),
+                               nodes.Const(op), nodes.Const(side), other], [], None, None)
+            return call.set_lineno(node.lineno)
+
+    return Rewrite().visit(stmt)
+
+
+def _inlinable(body, i, name) -> bool:
+    from jinja2 import nodes
+
+    wrapper = nodes.Template(body, lineno=1)
+    stores = [n for n in wrapper.find_all(nodes.Name) if n.name == name and n.ctx != "load"]
+    stores += [n for n in wrapper.find_all(nodes.NSRef) if n.name == name]
+    if len(stores) != 1:
+        return False
+    for s in body[:i]:
+        if any(n.name == name for n in s.find_all(nodes.Name)):
+            return False
+    for s in body[i + 1:]:
+        for loop in [s] if isinstance(s, nodes.For) else list(s.find_all(nodes.For)):
+            if any(n.name == name for n in loop.find_all(nodes.Name)):
+                return False
+        for scoped in s.find_all((nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.With)):
+            if any(n.name == name for n in scoped.find_all(nodes.Name)):
+                return False
+    return True
+
+
+def _substitute(stmt, name, expr):
+    import copy
+
+    from jinja2 import nodes
+
+    from jinja2.visitor import NodeTransformer
+
+    class Replace(NodeTransformer):
+        def visit_Name(self, node):  # noqa: N802 - jinja visitor naming
+            if node.name == name and node.ctx == "load":
+                new = _clone(expr)
+                return new.set_lineno(node.lineno)
+            return node
+
+    def _clone(e):
+        env = e.environment
+        return copy.deepcopy(e, {id(env): env}) if env is not None else copy.deepcopy(e)
+
+    return Replace().visit(stmt)

@@ -1,0 +1,130 @@
+"""A faster full render: minijinja, admitted per template by a load-time canary against the jinja2 reference.
+
+The reference is :class:`.template.ChatRenderer` (jinja2 sandbox, transformers-compatible). minijinja (a
+Rust implementation of jinja) renders the same templates several times faster, but it is a different
+implementation: its ``tojson`` escapes HTML characters, its Python-method compatibility is partial, it has
+no ``{% generation %}`` tag. So, as for tokenizer engines (:mod:`toktier_backend.engines.admission`), a
+template is rendered by minijinja only if, at load, every probe conversation of :data:`PROBES` (system or
+not, tools, tool calls and results, reasoning, unicode and special-token text, add_generation_prompt on and
+off, continue_final_message, a request the template refuses with ``raise_exception``) gives text identical
+to the reference, or both refuse it. Otherwise (or when minijinja is not installed) :func:`admit` returns no
+renderer and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Mapping
+
+from toktier_backend.chat import template as _t
+from toktier_backend.errors import InvalidRequest
+
+_TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run <cmd> & report 'ok'",
+                                            "parameters": {"type": "object", "properties": {
+                                                "cmd": {"type": "string"}}, "required": ["cmd"]}}}]
+_CALL = [{"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls -la"}'}}]
+
+# (messages, options) pairs; each is rendered by both implementations.
+PROBES: list[tuple[list[dict], dict]] = [
+    ([{"role": "user", "content": "Hello"}], {"add_generation_prompt": True}),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "  2+2?  "}],
+     {"add_generation_prompt": False}),
+    ([{"role": "system", "content": "You fix code."}, {"role": "user", "content": "Fix it"},
+      {"role": "assistant", "content": None, "tool_calls": _CALL},
+      {"role": "tool", "content": "a.py\nb.py", "tool_call_id": "call_1"},
+      {"role": "tool", "content": "<tool_response>x</tool_response>", "tool_call_id": "call_1"},
+      {"role": "assistant", "content": "Done."}], {"tools": _TOOLS, "add_generation_prompt": True}),
+    ([{"role": "user", "content": "Think"},
+      {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nYes", "reasoning_content": "hmm"},
+      {"role": "user", "content": "Again"}, {"role": "assistant", "content": "<think>a</think>b"}],
+     {"add_generation_prompt": False, "enable_thinking": False}),
+    ([{"role": "user", "content": "Ünïcødé 😀 <|im_end|> <|eot_id|> <｜User｜> {{ x }} {% raw %}"},
+      {"role": "assistant", "content": "日本語\t\r\n ok"}], {"add_generation_prompt": True, "enable_thinking": False}),
+    ([{"role": "user", "content": "Write"}, {"role": "assistant", "content": "Once upon"}],
+     {"continue_final_message": True}),
+    ([{"role": "assistant", "content": "first"}, {"role": "assistant", "content": "second"}],
+     {"add_generation_prompt": True}),
+    ([], {"add_generation_prompt": True}),
+]
+
+
+class MiniJinjaRenderer:
+    """Full renders with minijinja, same arguments and preprocessing as :class:`.template.ChatRenderer`.
+
+    Raises:
+        InvalidRequest: as ``ChatRenderer.render``.
+    """
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
+        import minijinja
+
+        def raise_exception(message):
+            raise ValueError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        def strftime_now(fmt):
+            return datetime.now().strftime(fmt)
+
+        self._env = minijinja.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False,
+                                          filters={"tojson": tojson},
+                                          globals={"raise_exception": raise_exception, "strftime_now": strftime_now})
+        self._env.add_template("chat", source)
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+
+    def render(self, messages, *, tools=None, documents=None, add_generation_prompt=False,
+               continue_final_message=False, **kwargs: Any) -> str:
+        _t.check_request(messages, add_generation_prompt, continue_final_message)
+        chat = [_t.prepare_message(m) for m in messages]
+        final = None
+        if continue_final_message:
+            if not chat:
+                raise InvalidRequest("continue_final_message needs a last message with string content")
+            final, chat[-1] = _t.continue_message(chat[-1])
+        variables = {**self.special_tokens, **_t.plain(kwargs)}
+        try:
+            text = self._env.render_template("chat", messages=chat, tools=_t.plain(tools),
+                                             documents=_t.plain(documents),
+                                             add_generation_prompt=bool(add_generation_prompt), **variables)
+        except Exception as e:  # minijinja.TemplateError and errors raised from our callbacks
+            raise InvalidRequest(f"the chat template refused the request: {e}") from e
+        return _t.finish_continue(text, final)
+
+
+@dataclass
+class Admission:
+    """Result of :func:`admit`: ``renderer`` (``None`` if refused) and ``reason`` (``None`` if admitted)."""
+
+    renderer: MiniJinjaRenderer | None
+    reason: str | None
+
+
+def admit(source: str, special_tokens: Mapping[str, str] | None = None) -> Admission:
+    """Admit minijinja for ``source`` if every probe renders identically to the jinja2 reference (or both
+    refuse it)."""
+    try:
+        fast = MiniJinjaRenderer(source, special_tokens)
+    except ImportError as e:
+        return Admission(None, f"minijinja not installed ({e})")
+    except Exception as e:  # noqa: BLE001 - a template minijinja cannot compile is simply not admitted
+        return Admission(None, f"minijinja does not compile the template: {type(e).__name__}: {e}")
+    ref = _t.ChatRenderer(source, special_tokens)
+    for i, (messages, options) in enumerate(PROBES):
+        want = _outcome(ref, messages, options)
+        got = _outcome(fast, messages, options)
+        if want != got:
+            return Admission(None, f"probe {i}: minijinja gives {got[1][:80]!r}, jinja2 {want[1][:80]!r}")
+    return Admission(fast, None)
+
+
+def _outcome(renderer, messages, options) -> tuple[bool, str]:
+    try:
+        return True, renderer.render(messages, **options)
+    except InvalidRequest as e:
+        return False, f"refused: {type(e).__name__}"

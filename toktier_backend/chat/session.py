@@ -1,0 +1,1025 @@
+"""Exact incremental chat-template rendering: a :class:`ChatSession` renders each request at the cost of what
+changed since the previous one, with text equal char for char to a full render.
+
+Mechanism (proof obligations O1-O5 are in :mod:`.analysis`):
+
+1. Messages. Each request's ``messages`` is compared with the previous request's (kept as plain copies,
+   :func:`.template.plain`): ``k`` is the first position whose message differs (value, key order and scalar
+   type: ``1``, ``1.0`` and ``True`` are equal in Python but render differently). Positions before ``k`` keep
+   the previous request's prepared message *objects*, so "same object" means "same message".
+2. Plain segments are rendered in full with the current variables; their root ``set`` names are passed on.
+3. A loop segment keeps, per message position, a *record* of its last rendering: output, the ``loop``
+   attributes it read (with values), the namespace attributes it read before writing them (with values),
+   the namespace writes, the highest ``messages`` index it read and whether it read anything that depends on
+   the length. Invariant: every kept record is valid for the state its loop had at that position in the
+   render that kept it (O4: equal reads give equal output and writes).
+4. Resuming: walking the loop in its own order, at a position ``p < k`` with a record, the session finds the
+   first position whose record may be invalid under the current state: (a) one that read a length-dependent
+   ``loop`` attribute or ``messages|length`` (when the length changed), (b) the old or new last position if it
+   read ``loop.last`` (``loop.first`` for a reversed loop), (c) one that read a message at ``>= k``, (d) for
+   each namespace attribute whose current value differs from the one the kept render had at ``p`` (computed
+   from the kept writes, no per-position snapshot), its first reader not preceded by a writer. Every record
+   before that position is valid by induction (nothing else can make a record's recorded reads differ), so
+   their outputs and writes are reused as a block; the invalid one is rendered again, and the walk resumes.
+   Outer (non-namespace) values read by the body are compared whole; any change renders the loop anew.
+5. Anything the analysis did not prove, and any error while rendering a piece, gives a full render (jinja2,
+   the transformers-compatible :class:`.template.ChatRenderer`, or minijinja where its canary admitted it),
+   counted in :attr:`ChatSession.stats` under ``"full:" + reason``.
+
+:meth:`ChatSession.render` also reports the *departure*: the first char where the new text differs from the
+previous render's, so a tokenizer session can splice from there (``Session.append(delta)`` when the new
+text extends the old one).
+"""
+
+from __future__ import annotations
+
+import marshal
+import operator
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from itertools import repeat
+from typing import Any, Mapping
+
+from toktier_backend.chat import template as _t
+from toktier_backend.chat.analysis import COMPARE, IterForm, LoopSegment, Plan, analyze, order_observed
+from toktier_backend.errors import InvalidRequest
+
+
+class _Missing:
+    __slots__ = ()
+
+    def __repr__(self):
+        return "<missing>"
+
+
+MISSING = _Missing()
+
+
+class _Never:
+    """A snapshot that equals nothing (the message was altered for the render: continue_final_message)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        return False
+
+    __hash__ = None
+
+
+_NEVER = _Never()
+
+
+class _Fallback(Exception):
+    """The incremental path cannot prove this request; the message is the reason."""
+
+
+# ---------------------------------------------------------------- value comparison
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal for a template: same types (``1``/``1.0``/``True`` differ), same values, same dict key order."""
+    if a is b:
+        return True
+    ta = type(a)
+    if ta is not type(b):
+        return False
+    if ta in _SCALARS:
+        return a == b
+    if ta is list or ta is tuple:
+        return len(a) == len(b) and all(map(same, a, b))
+    if ta is dict:
+        return len(a) == len(b) and list(a) == list(b) and all(map(same, a.values(), b.values()))
+    return False
+
+
+def _plain_value(v: Any, depth: int = 0) -> bool:
+    t = type(v)
+    if t in _SCALARS:
+        return True
+    if depth > 64:
+        return False
+    if t is list or t is tuple:
+        return all(_plain_value(x, depth + 1) for x in v)
+    if t is dict:
+        return all(type(k) is str and _plain_value(x, depth + 1) for k, x in v.items())
+    return False
+
+
+# ---------------------------------------------------------------- recording stand-ins
+
+
+class _Rec:
+    """One loop iteration's record (see the module docstring, 3)."""
+
+    __slots__ = ("elem", "out", "loop_reads", "ns_reads", "cmps", "writes", "maxread", "nsens")
+
+    def __init__(self, elem, p):
+        self.elem = elem
+        self.out = ""
+        self.loop_reads: dict = {}
+        self.ns_reads: dict = {}
+        self.cmps: dict = {}  # key -> [(op, side, other, outcome)]: comparisons recorded by outcome (O6)
+        self.writes: dict = {}
+        self.maxread = p
+        self.nsens = False
+
+
+def _loop_attr(attr: str, p: int, n: int, form: IterForm):
+    if form.reverse:
+        length, t = n, n - 1 - p
+    else:
+        length, t = n - form.start, p - form.start
+    if attr == "index0":
+        return t
+    if attr == "index":
+        return t + 1
+    if attr == "revindex0":
+        return length - 1 - t
+    if attr == "revindex":
+        return length - t
+    if attr == "first":
+        return t == 0
+    if attr == "last":
+        return t == length - 1
+    if attr == "length":
+        return length
+    raise KeyError(attr)
+
+
+def _n_sensitive(form: IterForm) -> tuple[frozenset, str]:
+    """(attributes whose value at a fixed position depends on the length, the edge attribute among them that
+    changes only at the old and new last positions)."""
+    if form.reverse:
+        return frozenset({"index0", "index", "length"}), "first"
+    return frozenset({"revindex0", "revindex", "length"}), "last"
+
+
+class _RecLoop:
+    """``loop`` for one iteration; every attribute read is recorded in the iteration's record."""
+
+    __slots__ = ("_rec", "_p", "_n", "_form", "_items", "_undefined")
+    depth = 1
+    depth0 = 0
+
+    def __init__(self, rec, p, n, form, items, undefined):
+        self._rec, self._p, self._n, self._form, self._items, self._undefined = rec, p, n, form, items, undefined
+
+    def _get(self, attr):
+        v = _loop_attr(attr, self._p, self._n, self._form)
+        self._rec.loop_reads[attr] = v
+        return v
+
+    index0 = property(lambda self: self._get("index0"))
+    index = property(lambda self: self._get("index"))
+    revindex0 = property(lambda self: self._get("revindex0"))
+    revindex = property(lambda self: self._get("revindex"))
+    first = property(lambda self: self._get("first"))
+    last = property(lambda self: self._get("last"))
+    length = property(lambda self: self._get("length"))
+
+    def _neighbour(self, step: int, what: str):
+        # whether a neighbour exists at a loop end depends on the length: recorded as length-dependent
+        q = self._p + step
+        rec = self._rec
+        rec.nsens = True
+        if 0 <= q < self._n and (self._form.reverse or q >= self._form.start):
+            rec.maxread = max(rec.maxread, q)
+            return self._items[q]
+        return self._undefined(f"there is no {what} item")
+
+    @property
+    def previtem(self):
+        return self._neighbour(1 if self._form.reverse else -1, "previous")
+
+    @property
+    def nextitem(self):
+        return self._neighbour(-1 if self._form.reverse else 1, "next")
+
+    def cycle(self, *args):
+        if not args:
+            raise TypeError("no items for cycling given")
+        return args[self._get("index0") % len(args)]
+
+    def changed(self, *value):
+        raise _Fallback("loop.changed() keeps state across iterations")
+
+
+class _RecMessages:
+    """``messages`` inside a loop body: index reads raise the record's ``maxread``; length-dependent reads
+    (``length``, negative or out-of-range indices, slices, iteration) set ``nsens``."""
+
+    __slots__ = ("_items", "_rec")
+
+    def __init__(self, items, rec):
+        self._items, self._rec = items, rec
+
+    def __len__(self):
+        self._rec.nsens = True
+        return len(self._items)
+
+    def __bool__(self):
+        self._rec.nsens = True
+        return bool(self._items)
+
+    def __getitem__(self, i):
+        items, rec = self._items, self._rec
+        if type(i) is int and 0 <= i < len(items):
+            if i > rec.maxread:
+                rec.maxread = i
+            return items[i]
+        if type(i) is int or isinstance(i, slice):
+            rec.nsens = True
+            rec.maxread = max(rec.maxread, len(items) - 1)
+            return items[i]
+        raise TypeError("messages indices must be integers or slices")
+
+    def __iter__(self):
+        self._rec.nsens = True
+        self._rec.maxread = max(self._rec.maxread, len(self._items) - 1)
+        return iter(self._items)
+
+    def __reversed__(self):
+        self._rec.nsens = True
+        self._rec.maxread = max(self._rec.maxread, len(self._items) - 1)
+        return reversed(self._items)
+
+
+def _recording_namespace_class():
+    import jinja2.exceptions
+
+    base = _t.sandbox_environment().globals["namespace"]
+
+    class RecNamespace(base):
+        """A namespace over the loop's state ``{(name, attr): value}``: reads before the iteration's own
+        write are recorded with their value, writes are recorded."""
+
+        def __init__(self, name, state, rec):  # noqa: D107 - base __init__ not called: storage is ``state``
+            object.__setattr__(self, "_r", (name, state, rec))
+
+        def __getattribute__(self, attr):
+            if attr in ("__class__", "_r") or attr.startswith("__"):
+                return object.__getattribute__(self, attr)
+            name, state, rec = object.__getattribute__(self, "_r")
+            key = (name, attr)
+            v = state.get(key, MISSING)
+            if key not in rec.writes and key not in rec.ns_reads:
+                rec.ns_reads[key] = v
+            if v is MISSING:
+                raise AttributeError(attr)
+            return v
+
+        def __setitem__(self, attr, value):
+            if isinstance(attr, str) and attr.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot set underscore-prefixed names ({attr!r})")
+            name, state, rec = object.__getattribute__(self, "_r")
+            state[(name, attr)] = value
+            rec.writes[(name, attr)] = value
+
+        def __repr__(self):
+            name, state, _ = object.__getattribute__(self, "_r")
+            return f"<Namespace {name} {({a: v for (nm, a), v in state.items() if nm == name})!r}>"
+
+    return RecNamespace
+
+
+_OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "gteq": operator.ge, "lt": operator.lt,
+        "lteq": operator.le}
+
+
+def _comparer(ns_class, getattr_):
+    """The body's comparison recorder (analysis O6): ``x.attr <op> other`` evaluated as jinja would; for a
+    recording namespace whose attribute this iteration has not read or written yet, the outcome is recorded
+    instead of the value."""
+
+    def compare(obj, _name, attr, op, side, other):
+        if type(obj) is ns_class:
+            nsname, state, rec = object.__getattribute__(obj, "_r")
+            key = (nsname, attr)
+            v = state.get(key, MISSING)
+            if v is not MISSING and key not in rec.writes and key not in rec.ns_reads:
+                out = _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+                if type(out) is not bool:
+                    raise _Fallback("a comparison gave a non-bool")
+                rec.cmps.setdefault(key, []).append((op, side, other, out))
+                return out
+        v = getattr_(obj, attr)
+        return _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+
+    return compare
+
+
+def _reader_ok(rec: _Rec, key, v) -> bool:
+    """Would ``rec``'s recorded reads of ``key`` be the same with value ``v``?"""
+    if key in rec.ns_reads and not same(rec.ns_reads[key], v):
+        return False
+    for op, side, other, outcome in rec.cmps.get(key, ()):
+        if v is MISSING:
+            return False
+        try:
+            out = _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+        except Exception:  # noqa: BLE001 - the recorded comparison would now raise: not the same
+            return False
+        if type(out) is not bool or out != outcome:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- a loop's memo
+
+
+class _Memo:
+    """What one loop segment kept from a render (records by message position, sorted position indexes)."""
+
+    __slots__ = ("n", "form", "ns_names", "outer", "entry", "recs", "nsens", "la", "la_max", "readers",
+                 "writers", "cum", "nonempty", "keep")
+
+    def __init__(self):
+        self.recs: list = []
+        self.nsens: list[int] = []
+        self.la: list[int] = []
+        self.la_max = 0
+        self.readers: dict = {}
+        self.writers: dict = {}
+        self.cum: list[int] = []  # forward loops: chars of outputs up to and including each position
+        self.nonempty: list[int] = []  # positions whose output is not empty
+        self.keep = 0  # records reused from the previous memo before the first rendered one (forward)
+
+    def old_value(self, key, p):
+        """The value ``key`` had when this memo's loop entered position ``p``."""
+        w = self.writers.get(key)
+        if w:
+            if self.form.reverse:
+                i = bisect_right(w, p)
+                if i < len(w):
+                    return self.recs[w[i]].writes[key]
+            else:
+                i = bisect_left(w, p)
+                if i:
+                    return self.recs[w[i - 1]].writes[key]
+        return self.entry.get(key, MISSING)
+
+    def text(self) -> str:
+        recs = self.recs
+        order = reversed(self.nonempty) if self.form.reverse else self.nonempty
+        return "".join([recs[p].out for p in order])
+
+    def length(self) -> int:
+        if self.form.reverse:
+            return sum(len(self.recs[p].out) for p in self.nonempty)
+        return self.cum[-1] if self.cum else 0
+
+
+def _first(lst, p, lo, hi, reverse):
+    """The first element of sorted ``lst`` met walking from ``p`` (up if not reverse, down if reverse) inside
+    ``[lo, hi)``; ``None`` if none."""
+    if reverse:
+        i = bisect_right(lst, p) - 1
+        return lst[i] if i >= 0 and lst[i] >= lo else None
+    i = bisect_left(lst, p)
+    return lst[i] if i < len(lst) and lst[i] < hi else None
+
+
+class _Builder:
+    """Builds the new memo in iteration order from reused position ranges and freshly rendered records."""
+
+    def __init__(self, memo: _Memo, reverse: bool):
+        self.m = memo
+        self.reverse = reverse
+        self.chunks: list = []  # (kind, ...) in iteration order
+
+    def reuse(self, old: _Memo, lo: int, hi: int):
+        """Positions ``[lo, hi)`` of ``old``."""
+        if lo < hi:
+            self.chunks.append(("old", old, lo, hi))
+
+    def add(self, p: int, rec: _Rec):
+        self.chunks.append(("new", p, rec))
+
+    def finish(self, n: int, start: int):
+        m = self.m
+        chunks = self.chunks[::-1] if self.reverse else self.chunks
+        recs: list = [None] * start
+        readers: dict = {}
+        writers: dict = {}
+        nsens: list = []
+        la: list = []
+        nonempty: list = []
+        la_max = 0
+
+        def ext(d, key, vals):
+            if vals:
+                d.setdefault(key, []).extend(vals)
+
+        for c in chunks:
+            if c[0] == "old":
+                _, old, lo, hi = c
+                recs.extend(old.recs[lo:hi])
+                nsens.extend(old.nsens[bisect_left(old.nsens, lo):bisect_left(old.nsens, hi)])
+                nonempty.extend(old.nonempty[bisect_left(old.nonempty, lo):bisect_left(old.nonempty, hi)])
+                la.extend(old.la[bisect_left(old.la, lo):bisect_left(old.la, hi)])
+                la_max = max(la_max, old.la_max)
+                for src, dst in ((old.readers, readers), (old.writers, writers)):
+                    for key, lst in src.items():
+                        ext(dst, key, lst[bisect_left(lst, lo):bisect_left(lst, hi)])
+            else:
+                _, p, rec = c
+                recs.append(rec)
+                if rec.nsens:
+                    nsens.append(p)
+                if rec.out:
+                    nonempty.append(p)
+                if rec.maxread > p:
+                    la.append(p)
+                    la_max = max(la_max, rec.maxread - p)
+                for key in rec.ns_reads.keys() | rec.cmps.keys():
+                    readers.setdefault(key, []).append(p)
+                for key in rec.writes:
+                    writers.setdefault(key, []).append(p)
+        assert len(recs) == n, (len(recs), n)
+        m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
+        m.nonempty = nonempty
+        first = self.chunks[0] if self.chunks else None
+        m.keep = first[3] - start if (not self.reverse and first and first[0] == "old" and first[2] == start) else 0
+
+
+# ---------------------------------------------------------------- the result
+
+
+class ChatRender:
+    """One render: ``text`` (joined on first use), ``departure`` (chars: the first index where ``text`` differs
+    from the previous render of the session; ``previous_length`` if it extends it), ``delta`` =
+    ``text[departure:]`` (cheap: built from the changed pieces only), ``route`` (``"incremental"`` or
+    ``"full:<reason>"``)."""
+
+    __slots__ = ("_pieces", "_text", "departure", "previous_length", "route", "_delta")
+
+    def __init__(self, pieces, text, departure, previous_length, route, delta):
+        self._pieces, self._text, self.departure = pieces, text, departure
+        self.previous_length, self.route, self._delta = previous_length, route, delta
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = "".join(p if isinstance(p, str) else p.text() for p in self._pieces)
+        return self._text
+
+    @property
+    def delta(self) -> str:
+        if self._delta is None:
+            self._delta = self.text[self.departure:]
+        return self._delta
+
+    @property
+    def extends_previous(self) -> bool:
+        """The new text starts with the whole previous text (then ``Session.append(delta)`` is exact)."""
+        return self.departure == self.previous_length
+
+    def __iter__(self):
+        yield self.text
+        yield self.departure
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """Chars ``a`` and ``b`` share at the start (C slice compares, halving)."""
+    m = min(len(a), len(b))
+    if a[:m] == b[:m]:
+        return m
+    lo, hi = 0, m  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# ---------------------------------------------------------------- the session
+
+
+class ChatSession:
+    """Incremental renderer of one conversation (not thread-safe: one request at a time per session).
+
+    Args:
+        template: jinja source of the chat template.
+        special_tokens: ``{"bos_token": ..., ...}`` (see :func:`.template.special_tokens`).
+        fast_full: render the full-render fallback with minijinja where its canary admits the template
+            (:mod:`.fast`); the reference :meth:`full_render` is always jinja2.
+        trust_identity: opt-in, for in-process callers that never mutate a message dict after passing it:
+            a message that is the same object as at that position in the previous request is not compared
+            (the compare costs about 1 us per message). Leave off for requests decoded from the wire (new
+            objects every time anyway) or when dicts may be edited in place.
+
+    Raises:
+        UnsupportedTokenizer: the template does not compile.
+    """
+
+    def __init__(self, template: str, special_tokens: Mapping[str, str] | None = None, *, fast_full: bool = True,
+                 trust_identity: bool = False, plan: Plan | None = None, full_renderer=None):
+        self.reference = _t.ChatRenderer(template, special_tokens)
+        self.plan = plan if plan is not None else analyze(template)
+        self.trust_identity = trust_identity
+        self._full = full_renderer
+        if self._full is None and fast_full:
+            from toktier_backend.chat.fast import admit
+
+            self._full = admit(template, self.reference.special_tokens).renderer
+        if self._full is None:
+            self._full = self.reference
+        self.stats: Counter = Counter()
+        self._ns_class = _recording_namespace_class()
+        self._undefined = _t.sandbox_environment().undefined
+        self._compare = _comparer(self._ns_class, _t.sandbox_environment().getattr)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the previous request (the next render reuses nothing)."""
+        self._snaps: list = []
+        self._raw: list = []  # the caller's message objects of the last request (trust_identity)
+        self._next_raw: list = []
+        # every message value that is not a str: (positions, keys, signatures), sorted by position
+        self._strict: tuple[list, list, list] = ([], [], [])
+        self._next_strict = self._strict
+        self._chat: list = []
+        self._memos: list | None = None
+        self._pieces: list = []
+        self._text: str | None = ""
+        self._length = 0
+
+    # ------------------------------------------------------------ public
+
+    def full_render(self, messages: list[Mapping[str, Any]], **options: Any) -> str:
+        """The reference text (jinja2, transformers-compatible) for the same arguments as :meth:`render`;
+        a verifier hook for shadow checks. Does not touch the session."""
+        return self.reference.render(messages, **options)
+
+    def render(
+        self,
+        messages: list[Mapping[str, Any]],
+        *,
+        tools: list[Any] | None = None,
+        documents: list[Any] | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> ChatRender:
+        """Render ``messages`` (same arguments and text as :meth:`.template.ChatRenderer.render`).
+
+        Returns:
+            :class:`ChatRender`; ``text`` equals ``full_render(...)`` char for char.
+
+        Raises:
+            InvalidRequest: malformed messages, or the template refused them (the session keeps its
+            previous state).
+        """
+        _t.check_request(messages, add_generation_prompt, continue_final_message)
+        k, snaps, chat = self._diff(messages)
+        final = None
+        if continue_final_message:
+            if not chat:
+                raise InvalidRequest("continue_final_message needs a last message with string content")
+            chat = list(chat)
+            final, chat[-1] = _t.continue_message(chat[-1])
+            snaps = list(snaps)
+            snaps[-1] = _NEVER
+            if self._next_raw:
+                self._next_raw[-1] = _NEVER  # the tagged copy must not be reused for the same object
+            k = min(k, len(chat) - 1)
+        options = dict(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, **kwargs)
+        if not self.plan.incremental:
+            return self._full_path(messages, options, snaps, chat, "template: " + self.plan.reason)
+        variables = {**self.reference.special_tokens, **_t.plain(kwargs)}
+        base = dict(messages=chat, tools=_t.plain(tools), documents=_t.plain(documents),
+                    add_generation_prompt=bool(add_generation_prompt), **variables)
+        try:
+            pieces, memos = self._render_segments(chat, k, base)
+        except _Fallback as e:
+            return self._full_path(messages, options, snaps, chat, str(e))
+        except Exception as e:  # noqa: BLE001 - the full render raises the request's error (O4)
+            return self._full_path(messages, options, snaps, chat, f"error {type(e).__name__}")
+        if final is not None:
+            text = "".join(p if isinstance(p, str) else p.text() for p in pieces)
+            try:
+                text = _t.finish_continue(text, final)
+            except InvalidRequest:
+                return self._full_path(messages, options, snaps, chat, "continue_final_message")
+            old_text = self._old_text()
+            departure = common_prefix_length(old_text, text)
+            result = ChatRender([text], text, departure, len(old_text), "incremental", None)
+            self._commit(snaps, chat, memos, [text], text, len(text))
+        else:
+            departure, delta, length = self._departure(pieces, memos)
+            result = ChatRender(pieces, None, departure, self._length, "incremental", delta)
+            self._commit(snaps, chat, memos, pieces, None, length)
+        self.stats["incremental"] += 1
+        return result
+
+    # ------------------------------------------------------------ messages
+
+    def _diff(self, messages):
+        """(k, snapshots, prepared messages): ``k`` is the first position whose message differs strictly from
+        the previous request's. ``==`` on the lists (C, identity shortcut) finds value changes; it ignores
+        int/float/bool and dict-order differences, so values that are not strings are also compared by
+        ``repr`` (exact for JSON types: distinct types and key orders give distinct reprs), and top-level
+        key order is compared where the template can observe it (``Plan.observes_message_order``)."""
+        old = self._snaps
+        m = min(len(messages), len(old))
+        k = m
+        trusted = 0
+        if self.trust_identity and m:
+            # opt-in: the caller does not mutate message dicts it passed, so the same object is the same
+            # message; only positions from the first new object on are compared
+            flags = list(map(operator.is_, messages[:m], self._raw[:m]))
+            trusted = flags.index(False) if False in flags else m
+        if trusted < m and old[trusted:m] != messages[trusted:m]:
+            lo, hi = trusted, m  # the first mismatch lies in [lo, hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if old[lo:mid] == messages[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            k = lo
+        if k > trusted:
+            k = self._strict_prefix(messages, k, trusted)
+        snaps = old[:k]
+        chat = self._chat[:k]
+        pos, keys, reprs = self._strict
+        cut = bisect_left(pos, k)
+        pos, keys, reprs = pos[:cut], keys[:cut], reprs[:cut]
+        for i in range(k, len(messages)):
+            sn = _t.plain(messages[i])
+            snaps.append(sn)
+            chat.append(_t.prepare_message(sn))
+            for key, v in sn.items():
+                if type(v) is not str and self._needs_strict(v, (key,)):
+                    pos.append(i)
+                    keys.append(key)
+                    reprs.append(_signature(v))
+        self._next_strict = (pos, keys, reprs)
+        self._next_raw = list(messages) if self.trust_identity else []
+        return k, snaps, chat
+
+    def _needs_strict(self, v, path: tuple) -> bool:
+        """Can a value equal to ``v`` by ``==`` render differently? Yes if it holds a number or bool
+        (``1 == 1.0 == True``), or a dict of 2+ keys where the template may see key order
+        (:func:`.analysis.order_observed`)."""
+        t = type(v)
+        if t in (int, float, bool):
+            return True
+        if t is dict:
+            if len(v) > 1 and order_observed(self.plan.order_paths, path):
+                return True
+            return any(type(x) is not str and self._needs_strict(x, path + (k,)) for k, x in v.items())
+        if t is list:
+            return any(type(x) is not str and self._needs_strict(x, path + ("*",)) for x in v)
+        return False
+
+    def _strict_prefix(self, messages, k, lo=0):
+        """Lower ``k`` to the first position in ``[lo, k)`` whose message equals the old one by ``==`` but
+        not strictly (marshal bytes of values where that can show; key order where observable)."""
+        pos, keys, reprs = self._strict
+        i0, j = bisect_left(pos, lo), bisect_left(pos, k)
+        pos, keys, reprs = pos[i0:j], keys[i0:j], reprs[i0:j]
+        if pos:
+            msgs = operator.itemgetter(*pos)(messages) if len(pos) > 1 else (messages[pos[0]],)
+            try:
+                got = list(map(marshal.dumps, map(_get_or_missing, msgs, keys), repeat(0, len(pos))))
+            except ValueError:  # a value marshal cannot write (a str subclass, ...): compare one by one
+                got = [_signature(m.get(key, MISSING)) for m, key in zip(msgs, keys)]
+            if got != reprs:
+                k = next(i for i, g, r in zip(pos, got, reprs) if g != r)
+        if self.plan.observes_message_order and k > lo:
+            old = self._snaps
+            if list(map(list, old[lo:k])) != list(map(list, messages[lo:k])):
+                k = next(i for i in range(lo, k) if list(old[i]) != list(messages[i]))
+        return k
+
+    # ------------------------------------------------------------ full path
+
+    def _old_text(self) -> str:
+        if self._text is None:
+            self._text = "".join(p if isinstance(p, str) else p.text() for p in self._pieces)
+        return self._text
+
+    def _full_path(self, messages, options, snaps, chat, reason) -> ChatRender:
+        text = self._full.render(messages, **options)
+        old_text = self._old_text()
+        departure = common_prefix_length(old_text, text)
+        self.stats["full:" + reason] += 1
+        result = ChatRender([text], text, departure, len(old_text), "full:" + reason, None)
+        self._commit(snaps, chat, None, [text], text, len(text))
+        return result
+
+    def _commit(self, snaps, chat, memos, pieces, text, length):
+        self._strict = self._next_strict
+        self._raw = self._next_raw
+        self._snaps, self._chat, self._memos, self._pieces, self._text, self._length = (
+            snaps, chat, memos, pieces, text, length)
+
+    # ------------------------------------------------------------ segments
+
+    def _render_segments(self, chat, k, variables):
+        from toktier_backend.chat.analysis import PlainSegment
+
+        old_memos = self._memos
+        pieces: list = []
+        memos: list = []
+        for si, seg in enumerate(self.plan.segments):
+            if isinstance(seg, PlainSegment):
+                ctx = seg.template.new_context(variables)
+                out = "".join(seg.template.root_render_func(ctx))
+                variables.update(ctx.get_exported())
+                pieces.append(out)
+                memos.append(out)
+            else:
+                old = old_memos[si] if old_memos is not None else None
+                memo = self._run_loop(seg, chat, k, variables, old)
+                pieces.append(memo)
+                memos.append(memo)
+        return pieces, memos
+
+    def _form(self, seg: LoopSegment, chat, variables) -> IterForm:
+        if seg.alias is None:
+            return seg.forms[0]
+        value = variables.get(seg.alias, MISSING)
+        if value is chat:
+            return IterForm(0, False) if IterForm(0, False) in seg.forms else self._no_form(seg)
+        if type(value) is list:
+            for f in seg.forms:
+                cand = chat[::-1] if f.reverse else chat[f.start:]
+                if len(cand) == len(value) and all(map(operator.is_, cand, value)):
+                    return f
+        return self._no_form(seg)
+
+    @staticmethod
+    def _no_form(seg):
+        raise _Fallback(f"{seg.alias} is not one of its analysed forms")
+
+    def _run_loop(self, seg: LoopSegment, chat, k, variables, old: _Memo | None) -> _Memo:
+        from jinja2.utils import Namespace
+
+        n = len(chat)
+        form = self._form(seg, chat, variables)
+        ns_names, outer = [], {}
+        for name in sorted(seg.free - {seg.target, "loop", "messages"}):
+            if name not in variables:
+                continue
+            v = variables[name]
+            if isinstance(v, Namespace):
+                ns_names.append(name)
+            elif _plain_value(v):
+                outer[name] = v
+            else:
+                raise _Fallback(f"the loop body reads {name!r}, a {type(v).__name__} (O3)")
+        state: dict = {}
+        for name in ns_names:
+            for a, v in object.__getattribute__(variables[name], "_Namespace__attrs").items():
+                state[(name, a)] = v
+        memo = _Memo()
+        memo.n, memo.form, memo.ns_names, memo.outer, memo.entry = n, form, tuple(ns_names), outer, dict(state)
+        if old is not None and not (old.form == form and old.ns_names == memo.ns_names
+                                    and old.outer.keys() == outer.keys()
+                                    and all(same(old.outer[x], outer[x]) for x in outer)):
+            old = None
+        if old is not None and form.start > n:
+            old = None
+        start = 0 if form.reverse else form.start
+        build = _Builder(memo, form.reverse)
+        step = -1 if form.reverse else 1
+        p = n - 1 if form.reverse else start
+        end = -1 if form.reverse else n
+        limit = min(k, n, old.n) if old is not None else 0  # positions < limit have a record for the same message
+        bad_la = self._bad_lookahead(old, k, limit) if old is not None else []
+        nsens_attrs, edge = _n_sensitive(form)
+        body, target = seg.body, seg.target
+        ns_class, undefined = self._ns_class, self._undefined
+        compare = self._compare
+        msgs_view = seg.uses_messages
+        reused = rendered = 0
+        while p != end:
+            if p < limit:
+                q = self._first_invalid(old, p, state, n, k, limit, bad_la, form, edge)
+                if q != p:
+                    lo, hi = (q + 1, p + 1) if form.reverse else (p, q)
+                    build.reuse(old, lo, hi)
+                    reused += hi - lo
+                    for key, w in old.writers.items():
+                        if form.reverse:
+                            i = bisect_right(w, q)
+                            if i < len(w) and w[i] <= p:
+                                state[key] = old.recs[w[i]].writes[key]
+                        else:
+                            i = bisect_left(w, q)
+                            if i and w[i - 1] >= p:
+                                state[key] = old.recs[w[i - 1]].writes[key]
+                    p = q
+                    continue
+            elem = chat[p]
+            rec = _Rec(elem, p)
+            ctx_vars = dict(outer)
+            ctx_vars[target] = elem
+            ctx_vars["loop"] = _RecLoop(rec, p, n, form, chat, undefined)
+            if msgs_view:
+                ctx_vars["messages"] = _RecMessages(chat, rec)
+            for name in ns_names:
+                ctx_vars[name] = ns_class(name, state, rec)
+            ctx_vars[COMPARE] = compare
+            ctx = body.new_context(ctx_vars)
+            rec.out = "".join(body.root_render_func(ctx))
+            for a in rec.loop_reads:
+                if a in nsens_attrs:
+                    rec.nsens = True
+            build.add(p, rec)
+            rendered += 1
+            p += step
+        build.finish(n, start)
+        for name in ns_names:
+            attrs = object.__getattribute__(variables[name], "_Namespace__attrs")
+            attrs.clear()
+            attrs.update({a: v for (nm, a), v in state.items() if nm == name})
+        if not form.reverse:
+            self._cum(memo, old, start)
+        self.stats["iterations_reused"] += reused
+        self.stats["iterations_rendered"] += rendered
+        return memo
+
+    @staticmethod
+    def _bad_lookahead(old: _Memo, k, limit):
+        """Positions below ``limit`` whose record read a message at ``>= k`` (module docstring, 4c)."""
+        la = old.la
+        i = bisect_left(la, k - old.la_max)
+        return [x for x in la[i:] if x < limit and old.recs[x].maxread >= k]
+
+    @staticmethod
+    def _first_invalid(old: _Memo, p, state, n, k, limit, bad_la, form, edge) -> int:
+        """The first position from ``p`` (in loop order, among those below ``limit``) whose record may be
+        invalid; the walk's end if none (module docstring, 4)."""
+        rev = form.reverse
+        lo, hi = (0, p + 1) if rev else (p, limit)
+        cands = []
+        if n != old.n:
+            c = _first(old.nsens, p, lo, hi, rev)
+            if c is not None:
+                cands.append(c)
+            for x in (old.n - 1, n - 1):
+                if lo <= x < hi:
+                    r = old.recs[x]
+                    if edge in r.loop_reads and not same(r.loop_reads[edge], _loop_attr(edge, x, n, form)):
+                        cands.append(x)
+        for x in bad_la:
+            if lo <= x < hi:
+                cands.append(x)
+        keys = set(state) | set(old.entry) | set(old.writers)
+        for key in keys:
+            if same(state.get(key, MISSING), old.old_value(key, p)):
+                continue
+            rd = old.readers.get(key)
+            if not rd:
+                continue
+            wr = old.writers.get(key)
+            w = _first(wr, p, lo, hi, rev) if wr else None
+            # readers from p up to (and at) the first writer see the current value: the first whose
+            # recorded reads differ under it is invalid (O6: comparisons may still hold)
+            value = state.get(key, MISSING)
+            if rev:
+                i = bisect_right(rd, p) - 1
+                while i >= 0 and rd[i] >= lo and (w is None or rd[i] >= w):
+                    if not _reader_ok(old.recs[rd[i]], key, value):
+                        cands.append(rd[i])
+                        break
+                    i -= 1
+            else:
+                i = bisect_left(rd, p)
+                while i < len(rd) and rd[i] < hi and (w is None or rd[i] <= w):
+                    if not _reader_ok(old.recs[rd[i]], key, value):
+                        cands.append(rd[i])
+                        break
+                    i += 1
+        if not cands:
+            return -1 if rev else limit
+        return max(cands) if rev else min(cands)
+
+    @staticmethod
+    def _cum(memo: _Memo, old: _Memo | None, start: int):
+        recs = memo.recs
+        keep = memo.keep if old is not None else 0
+        cum = old.cum[:keep] if keep else []
+        total = cum[-1] if cum else 0
+        for r in recs[start + keep:]:
+            total += len(r.out)
+            cum.append(total)
+        memo.cum = cum
+
+    # ------------------------------------------------------------ departure
+
+    def _departure(self, pieces, memos) -> tuple[int, str, int]:
+        """(departure, delta, new total length). Segments (and a forward loop's records reused before its
+        first rendered one) that are the same are skipped by length; from the first that may differ, the old
+        and new texts are compared as streams of pieces, so only the chars up to the first difference and
+        the new text after it are touched."""
+        old_pieces = self._pieces
+        total = sum(len(p) if isinstance(p, str) else p.length() for p in pieces)
+        base = 0
+        i = 0
+        if self._memos is not None and len(old_pieces) == len(pieces):
+            for i, (new, old) in enumerate(zip(pieces, old_pieces)):
+                if isinstance(new, str):
+                    if new == old:
+                        base += len(new)
+                        continue
+                    break
+                if new.form.reverse or old.form != new.form:
+                    if not new.nonempty and not old.nonempty:
+                        continue
+                    break
+                j = new.keep
+                if _tail_text(new, j) == _tail_text(old, j):
+                    base += new.length()
+                    continue
+                base += new.cum[j - 1] if j else 0
+                break
+            else:
+                return base, "", total
+            old_stream = _stream(old_pieces, i, new.keep if not isinstance(new, str) else 0)
+            new_stream = _stream(pieces, i, new.keep if not isinstance(new, str) else 0)
+        else:
+            old_stream = iter([self._old_text()])
+            new_stream = _stream(pieces, 0, 0)
+        d, new_rest = _common_prefix_streams(old_stream, new_stream)
+        return base + d, new_rest, total
+
+    @staticmethod
+    def _join(pieces) -> str:
+        return "".join(p if isinstance(p, str) else p.text() for p in pieces)
+
+
+def _signature(value) -> bytes:
+    """``marshal`` version 0 (no references, no interning): equal bytes mean equal JSON values with the
+    same scalar types and dict key order; a value it cannot write gets a signature that equals nothing."""
+    try:
+        return marshal.dumps(value, 0)
+    except ValueError:
+        return _NEVER
+
+
+def _get_or_missing(message, key):
+    return message.get(key, MISSING)
+
+
+def _tail_text(memo, j) -> str:
+    """Outputs of a forward loop's records from index ``j`` (position ``start + j``) on."""
+    ne, recs = memo.nonempty, memo.recs
+    return "".join([recs[q].out for q in ne[bisect_left(ne, memo.form.start + j):]])
+
+
+def _stream(pieces, i, j):
+    """The text of ``pieces[i:]`` as a stream of strings, starting at record ``j`` of a forward loop piece
+    ``pieces[i]`` (positions are ``start + j``)."""
+    for idx in range(i, len(pieces)):
+        p = pieces[idx]
+        if isinstance(p, str):
+            if p:
+                yield p
+            continue
+        recs = p.recs
+        if p.form.reverse:
+            for q in reversed(p.nonempty):
+                yield recs[q].out
+        else:
+            first = p.form.start + (j if idx == i else 0)
+            ne = p.nonempty
+            for q in ne[bisect_left(ne, first):]:
+                yield recs[q].out
+
+
+def _common_prefix_streams(a, b) -> tuple[int, str]:
+    """(chars the two streams share at the start, the rest of ``b`` after them as one string)."""
+    abuf = bbuf = ""
+    done = 0
+    a_end = b_end = False
+    while True:
+        while len(abuf) < 4096 and not a_end:
+            nxt = next(a, None)
+            if nxt is None:
+                a_end = True
+            else:
+                abuf += nxt
+        while len(bbuf) < max(4096, len(abuf)) and not b_end:
+            nxt = next(b, None)
+            if nxt is None:
+                b_end = True
+            else:
+                bbuf += nxt
+        m = min(len(abuf), len(bbuf))
+        c = common_prefix_length(abuf[:m], bbuf[:m])
+        if c < m or (a_end and len(abuf) == m) or (b_end and len(bbuf) == m):
+            rest = bbuf[c:]
+            return done + c, rest + "".join(b)
+        done += m
+        abuf, bbuf = abuf[m:], bbuf[m:]

@@ -1,0 +1,47 @@
+"""JSON request bodies: ``loads(bytes)`` with orjson where installed, else the standard library.
+
+orjson parses a 1.1 MB chat body (822 messages) about 5x faster than ``json.loads`` (docs/design/chat.md).
+Both give the same Python values for valid JSON (``dict``/``list``/``str``/``int``/``float``/``bool``/
+``None``); orjson rejects ``NaN``/``Infinity`` and lone surrogates, which ``json`` accepts: those bodies
+raise :class:`InvalidRequest` either way here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from toktier_backend.errors import InvalidRequest
+
+try:
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - orjson is a core dependency; the fallback keeps imports working
+    _orjson = None
+
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """Parse a JSON document.
+
+    Args:
+        data: UTF-8 bytes (or str) of one JSON value.
+
+    Returns:
+        The value, built from ``dict``, ``list``, ``str``, ``int``, ``float``, ``bool``, ``None``.
+
+    Raises:
+        InvalidRequest: not valid JSON (the parser's message, with its position).
+    """
+    if _orjson is not None:
+        try:
+            return _orjson.loads(data)
+        except _orjson.JSONDecodeError as e:
+            raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except ValueError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
