@@ -128,7 +128,7 @@ def run_local(tokenizer_spec: str | None, sessions_dir: str | None, *, console=N
 DEFAULT_CONTEXT_CHARS = 400_000
 #: session sizes of the latency-vs-context sweep, chars (two timed turns are appended at each)
 SWEEP_CHARS = (10_000, 30_000, 100_000, 300_000, 1_000_000)
-SWEEP_TURNS = 2
+SWEEP_TURNS = 3
 #: the served full re-encode: plain stateless model on the fastest exact engine (data/models/)
 FAST_ENCODE_MODEL = "toktier_encode_fast"
 FAST_MODEL_DIR = Path(__file__).resolve().parent / "data" / "models" / FAST_ENCODE_MODEL
@@ -610,8 +610,14 @@ def _report(results, warm, sweep, console, base_chars: int, plot_path: Path | No
         console.print(line, highlight=False)
     later = {k: [x for r in results for x in r.ms[k]] for k, *_ in MODES}
     enc = p50(later["encode"])
-    console.print(f"served full re-encode ÷ served repair (p50): full-text {ratio(enc, p50(later['full']))}, "
-                  f"delta+patch {ratio(enc, p50(later['delta']))}; HF encode ÷ delta+patch "
+
+    def paired(a: str, b: str) -> str:  # median over turns of a/b, each pair timed back to back
+        v = [x / y for x, y in zip(later[a], later[b]) if y > 0]
+        return f"{np.median(v):.1f}x" if v else "–"
+
+    console.print(f"served full re-encode ÷ served repair (ratio of the p50s; median of the per-turn ratios): "
+                  f"full-text {ratio(enc, p50(later['full']))}; {paired('encode', 'full')}, delta+patch "
+                  f"{ratio(enc, p50(later['delta']))}; {paired('encode', 'delta')}; HF encode ÷ delta+patch "
                   f"{ratio(p50(later['hf']), p50(later['delta']))}", highlight=False)
 
     sweep_bad = 0

@@ -74,7 +74,7 @@ def test_demo_served_one_session(tmp_path, protocol):
     _need_serving_deps()
     import tokenizers
 
-    from toktier_backend.demo import SWEEP_CHARS, base_context
+    from toktier_backend.demo import SWEEP_CHARS, SWEEP_TURNS, base_context
 
     sessions = _one_session(tmp_path)
     turns = load_turns(next(sessions.glob("*.traj")))
@@ -106,7 +106,7 @@ def test_demo_served_one_session(tmp_path, protocol):
     assert f"n={n_turns - 1} " in hf_line, hf_line
     assert f"routes append:{n_turns - 1} full:1" in out, out
     assert "toktier_encode_fast" in out, out  # the plain stateless model is the full re-encode
-    sweep_replies = len(SWEEP_CHARS) * 3 * 3 if protocol == "grpc" else 0  # (growth + 2 turns) x served modes
+    sweep_replies = len(SWEEP_CHARS) * (1 + SWEEP_TURNS) * 3 if protocol == "grpc" else 0  # (growth + turns) x modes
     warm = 3 * 3
     assert f"({3 * n_turns + warm + sweep_replies} served replies checked, {warm} of them warm-up)" in out, out
     if protocol == "grpc":

@@ -142,6 +142,16 @@ class Metrics:
         self._explicit_pool_stats = pool_stats is not None
         self.pool_stats = pool_stats or _shared_pool_stats
         self._pool_next = 0.0  # pool stats cost percentiles over a window: refreshed at most once a second
+        self._children: dict[tuple, Any] = {}  # (id(metric), label values) -> child, see _child
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once per label tuple: ``labels`` validates the values and takes
+        the metric's lock on every call, and a child never changes once created (nothing here removes one)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # ------------------------------------------------------------ recording
 
@@ -155,19 +165,19 @@ class Metrics:
 
     def observe_reply(self, model: str, mode: str, route: str, seconds: float, repair: Any = None) -> None:
         """One successful request: route/mode count, latency, and what the repair did (``RepairInfo``)."""
-        self.requests.labels(model, route, mode).inc()
-        self.latency.labels(model, route).observe(seconds)
+        self._child(self.requests, model, route, mode).inc()
+        self._child(self.latency, model, route).observe(seconds)
         if repair is None:
             return
         if route in ("append", "edit", "full") and getattr(repair, "departure", 0) > 0:
-            self.widenings.labels(model).observe(int(repair.widenings))
+            self._child(self.widenings, model).observe(int(repair.widenings))
         reason = getattr(repair, "fallback", "")
         if reason:
-            self.fallbacks.labels(model, reason).inc()
+            self._child(self.fallbacks, model, reason).inc()
         if repair.reused:
-            self.tokens.labels(model, "reused").inc(int(repair.reused))
+            self._child(self.tokens, model, "reused").inc(int(repair.reused))
         if repair.reencoded:
-            self.tokens.labels(model, "reencoded").inc(int(repair.reencoded))
+            self._child(self.tokens, model, "reencoded").inc(int(repair.reencoded))
 
     def observe_encode_route(self, model: str, route: str) -> None:
         """One stateless encode served on ``route`` (``gpu`` or a ``cpu_*`` reason; see the module docstring)."""
@@ -193,20 +203,20 @@ class Metrics:
         """Refresh the gauges from the live objects (O(1) each; the CPU pool's at most once a second, from
         ``pool.stats()`` when given, else the ``pool_stats`` callable)."""
         if store is not None:
-            self.sessions.labels(model).set(len(store))
-            self.session_bytes.labels(model).set(store.nbytes)
-            self.session_budget.labels(model).set(store.max_bytes or 0)
+            self._child(self.sessions, model).set(len(store))
+            self._child(self.session_bytes, model).set(store.nbytes)
+            self._child(self.session_budget, model).set(store.max_bytes or 0)
         if verifier is not None:
-            self.verifier_queue.labels(model).set(verifier.queue_depth)
+            self._child(self.verifier_queue, model).set(verifier.queue_depth)
         if dropped_delta:
-            self.verifier_dropped.labels(model).inc(dropped_delta)
+            self._child(self.verifier_dropped, model).inc(dropped_delta)
         if tokenizer is not None:
             q = getattr(tokenizer, "quarantined", {})
             for route in ("full", "append", "edit"):
-                self.quarantined.labels(model, route).set(1 if route in q else 0)
+                self._child(self.quarantined, model, route).set(1 if route in q else 0)
             idx = getattr(tokenizer, "prefix_index", None)
             if idx is not None:
-                self.prefix_index_bytes.labels(model).set(getattr(idx, "nbytes", 0))
+                self._child(self.prefix_index_bytes, model).set(getattr(idx, "nbytes", 0))
         self._set_pool(model, pool)
 
     def _set_pool(self, model: str, pool: Any = None) -> None:
