@@ -8,11 +8,18 @@ One run, on loopback, one face at a time (2 cores: the faces never compete):
 - ``in-process``: the core ``Session.append`` with no server (what serving adds is the difference).
 
 Per face: a :class:`SessionClient` opens the session with the ~1M-char base text (timed once), then
-``--warmup`` + ``--samples`` appends of whole agent turns of 1.0K-2.5K chars (~1.5K mean) from the bundled
+``--warmup`` (40: past the shadow verifier's first 32 samples per instance) + ``--samples`` appends of whole agent turns of 1.0K-2.5K chars (~1.5K mean) from the bundled
 SWE-agent trajectories (``../shared/corpus/swe-agent``, else the bundled sample; consecutive turns
 joined up to that size), each timed with ``perf_counter_ns`` on the client (request to rebuilt ids). The
 **no-op floor** is the p50 of an empty ``delta`` on a one-word session through the same model (transport,
 batcher, Python-backend IPC and handler; no tokenization); ``noop@1M`` is an empty delta on the 1M session.
+
+Where the time goes: per native append, the ms inside tritonclient's ``infer`` (round trip) vs the client's
+own work around it (``SessionClient`` rebuilding text and ids), and Triton's per-model statistics (queue,
+compute_input, compute_infer, compute_output; ``get_inference_statistics``) for the appends and the floor.
+``--faces handler`` adds the ``Handler`` in this process with Triton-shaped tensors (no server): what the
+handler adds above ``Session.append``. ``--param KEY=VALUE`` sets a model parameter (e.g. ``verifier_first_n=0``).
+See ``docs/design/served_path.md``.
 
 Exactness first: every face's final ids (rebuilt from the patches) must equal HF
 ``Tokenizer.from_file(path).encode(text, add_special_tokens=True).ids`` of the final text; each reply is
@@ -217,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=str(tt.default_tokenizer_path()), help="tokenizer.json (default: bundled GPT-2)")
     ap.add_argument("--context", type=int, default=1_000_000, help="session context before the appends (chars)")
     ap.add_argument("--samples", type=int, default=60, help="timed appends per face (>= 50 for a p99)")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=40, help="appends before the timed ones (default 40: past the "
+                    "shadow verifier's first_n=32 per instance, whose samples re-encode the whole text)")
     ap.add_argument("--floor", type=int, default=60, help="no-op requests per face")
     ap.add_argument("--faces", default="native,pytriton", help="comma list of native, pytriton, handler (the "
                     "Handler in this process, no Triton)")
