@@ -20,7 +20,7 @@ the mismatch count, which must be 0.
   ``toktier_encode``, which reuses indexed prefixes by content, so it is not a full re-encode there);
 - the HF reference's own encode of the same text, in this process (timed; it is also the check).
 
-Then one more session grows from 10K to over 1M chars (:data:`SWEEP_CHARS`): at each size two real turns
+Then one more session grows from 10K to over 1M chars (:data:`SWEEP_CHARS`): at each size :data:`SWEEP_TURNS` real turns
 are appended and timed the same four ways, and a PNG of latency vs context size is written.
 
 :func:`run_local` (``toktier demo --local``) replays through the library, no server.
@@ -126,7 +126,7 @@ def run_local(tokenizer_spec: str | None, sessions_dir: str | None, *, console=N
 
 #: default base context of every replayed session, chars (~100K gpt2 tokens of agent text)
 DEFAULT_CONTEXT_CHARS = 400_000
-#: session sizes of the latency-vs-context sweep, chars (two timed turns are appended at each)
+#: session sizes of the latency-vs-context sweep, chars (SWEEP_TURNS timed turns are appended at each)
 SWEEP_CHARS = (10_000, 30_000, 100_000, 300_000, 1_000_000)
 SWEEP_TURNS = 3
 #: the served full re-encode: plain stateless model on the fastest exact engine (data/models/)
@@ -677,7 +677,7 @@ def _plot(points: list[_SweepPoint], path: Path, encode_model: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("session context (chars)")
     ax.set_ylabel(f"latency per turn (ms, median of {SWEEP_TURNS})")
-    ax.set_title("one agent session grown turn by turn: repair stays flat, re-encode grows")
+    ax.set_title("one agent session grown turn by turn: latency per turn vs context")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
