@@ -348,15 +348,7 @@ class Verifier:
 
     # ------------------------------------------------------------ background thread
 
-    #: added to the worker thread's nice value (Linux, per thread): its HF re-encodes (whole texts, ~0.7 s of
-    #: CPU at 1M chars) then yield the cores to the request threads instead of sharing them evenly
-    NICE = 10
-
     def _run(self) -> None:
-        try:  # Linux: PRIO_PROCESS with a thread id sets that thread's nice value
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self.NICE)
-        except (AttributeError, OSError):  # not Linux, or not permitted: the same checks at the same priority
-            pass
         while True:
             sample = self._queue.get()
             if sample is None:
