@@ -184,7 +184,7 @@ class _SessionResult:
     name: str
     turns: int
     chars: int
-    tokens: int
+    tokens: int  # HF ids of the final text (set as the turns are replayed)
     ms: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k, *_ in MODES})  # turns after the first
     first_ms: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k, *_ in MODES})  # first turns
     routes: dict[str, Counter] = field(default_factory=lambda: {"full": Counter(), "delta": Counter()})
@@ -397,6 +397,7 @@ class _Driver:
                                    reply="patch", timeout_s=timeout_s)
         self.text = ""
         self.k = 0
+        self.n_ids = 0  # HF's id count of the last text sent
 
     def turn(self, text: str, where: str) -> tuple[dict[str, float], dict[str, bool]]:
         """Send ``text`` (the whole session text after this turn). Returns (ms per mode, exact per served mode).
@@ -410,6 +411,7 @@ class _Driver:
         t0 = time.perf_counter()
         ref = np.asarray(self.reference.encode(text).ids, dtype=np.int32)
         ms["hf"] = (time.perf_counter() - t0) * 1e3
+        self.n_ids = len(ref)
 
         def run_full():
             return self.full.update(text)
@@ -456,6 +458,7 @@ def _replay_session(driver: _Driver, f, turns, base, r: _SessionResult, progress
                 r.bad[m] += 0 if good else 1
             r.routes["full"][driver.full.last.route] += 1
             r.routes["delta"][driver.delta.last.route] += 1
+            r.tokens = driver.n_ids
             if progress is not None:
                 progress.advance(task)
     finally:
@@ -549,8 +552,7 @@ def _replay(mod, url, protocol, sessions, base, reference, console, timeout_s, s
                     progress.update(task, description=f"session {i}/{len(sessions)}"
                                     + (f" pass {p + 1}/{repeat}" if repeat > 1 else ""))
                     if p == 0:
-                        results.append(_SessionResult(_label(f), len(turns), len(base) + len(turns[-1]),
-                                                      len(reference.encode(base + turns[-1]).ids)))
+                        results.append(_SessionResult(_label(f), len(turns), len(base) + len(turns[-1]), 0))
                     _replay_session(driver(f"{i}" + (f"-p{p + 1}" if repeat > 1 else "")), f, turns, base,
                                     results[i - 1], progress, task)
             if sweep:
