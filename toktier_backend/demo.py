@@ -18,7 +18,8 @@ the mismatch count, which must be 0.
 - ``toktier_encode_fast`` on the same whole text — the served full re-encode: the fastest exact engine
   (fastokens) with no state, ``toktier_backend/data/models/`` (against a running server given by ``url``:
   ``toktier_encode``, which reuses indexed prefixes by content, so it is not a full re-encode there);
-- the HF reference's own encode of the same text, in this process (timed; it is also the check).
+- the HF reference's own encode of the same text, in this process, timed; it is also the check, and runs
+  after all served requests (between them it slowed them ~2x on 2 cores).
 
 Then one more session grows from 10K to over 1M chars (:data:`SWEEP_CHARS`): at each size :data:`SWEEP_TURNS` real turns
 are appended and timed the same four ways, and a PNG of latency vs context size is written.
@@ -35,6 +36,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -143,7 +145,7 @@ MODES = (
     ("full", "repair full-text", "toktier_session MODE=full REPLY=full: the whole conversation each turn"),
     ("delta", "repair delta+patch", "toktier_session MODE=delta REPLY=patch: the new message, ids from KEEP on"),
     ("encode", "full re-encode", "toktier_encode_fast: fastokens on the whole conversation, no state"),
-    ("hf", "HF encode", "HF tokenizers encode of the same text, in this process (the check)"),
+    ("hf", "HF encode", "HF tokenizers encode of the same text, in this process (the check, run after the served requests)"),
 )
 SERVED = ("full", "delta", "encode")
 
@@ -315,8 +317,9 @@ def run_served(
             url = server.grpc_url if protocol == "grpc" else server.http_url
             console.print(f"tritonserver pid {server.process.pid} ready in {time.perf_counter() - t0:.1f} s: "
                           f"{protocol} {url}")
-        results, warm, sweep = _replay(mod, url, protocol, sessions, base, reference, console, request_timeout_s,
-                                       server, repeat, encode_model, plot_path is not None)
+        results, warm, sweep, encode_model = _replay(mod, url, protocol, sessions, base, reference, console,
+                                                     request_timeout_s, server, repeat, encode_model,
+                                                     plot_path is not None)
         code = _report(results, warm, sweep, console, len(base), plot_path, encode_model)
     except (KeyboardInterrupt, _Terminate) as e:
         console.print("[bold yellow]toktier demo: interrupted[/]")
@@ -381,37 +384,45 @@ def _log_tail(server) -> str:
         return state
 
 
+@dataclass
+class _Pending:
+    """A text sent all ways and its replies, waiting for the HF check; ``record(hf_ms, exact, n_ids)``
+    files the result where it belongs (a session's turn, a sweep point)."""
+
+    text: str
+    replies: dict[str, np.ndarray]
+    record: Callable[[float, dict[str, bool], int], None]
+
+
 class _Driver:
     """One full-text and one delta+patch session on the server plus the stateless encode model; each
-    :meth:`turn` sends one text all ways (rotating which goes first), times them and the HF reference, and
-    checks every reply against the reference."""
+    :meth:`turn` sends one text all ways (rotating which goes first) and times them. The replies wait in
+    :attr:`pending` for :func:`_check`, which runs after all served requests: HF's encode of a 400K-1M-char
+    text churns this process's heap and caches (tens of MB built and freed), and between the served calls
+    it slowed them ~2x on a 2-core machine."""
 
-    def __init__(self, mod, client, kwargs, url, protocol, key, timeout_s, server, reference, encode_model):
+    def __init__(self, mod, client, kwargs, url, protocol, key, timeout_s, server, encode_model, pending):
         from toktier_backend.client import SessionClient
 
         self.mod, self.client, self.kwargs, self.server = mod, client, kwargs, server
-        self.reference, self.encode_model = reference, encode_model
+        self.encode_model, self.pending = encode_model, pending
         self.full = SessionClient(url, protocol=protocol, client=client, session_id=f"demo-{key}-full",
                                   reply="full", timeout_s=timeout_s)
         self.delta = SessionClient(url, protocol=protocol, client=client, session_id=f"demo-{key}-delta",
                                    reply="patch", timeout_s=timeout_s)
         self.text = ""
         self.k = 0
-        self.n_ids = 0  # HF's id count of the last text sent
 
-    def turn(self, text: str, where: str) -> tuple[dict[str, float], dict[str, bool]]:
-        """Send ``text`` (the whole session text after this turn). Returns (ms per mode, exact per served mode).
+    def turn(self, text: str, where: str, record: Callable[[float, dict[str, bool], int], None]) -> dict[str, float]:
+        """Send ``text`` (the whole session text after this turn) all ways. Returns ms per served mode;
+        the replies go to :attr:`pending` with ``record``.
 
         Raises:
             ServerFailure: a request failed.
         """
         prev = self.text
         ms: dict[str, float] = {}
-        ok: dict[str, bool] = {}
-        t0 = time.perf_counter()
-        ref = np.asarray(self.reference.encode(text).ids, dtype=np.int32)
-        ms["hf"] = (time.perf_counter() - t0) * 1e3
-        self.n_ids = len(ref)
+        replies: dict[str, np.ndarray] = {}
 
         def run_full():
             return self.full.update(text)
@@ -431,13 +442,13 @@ class _Driver:
         for m in order:
             t0 = time.perf_counter()
             try:
-                ids = calls[m]()
+                replies[m] = calls[m]()  # a new array per reply (SessionClient never reuses one)
             except Exception as e:
                 raise ServerFailure(f"{where} ({m}): {type(e).__name__}: {e}{_log_tail(self.server)}") from e
             ms[m] = (time.perf_counter() - t0) * 1e3
-            ok[m] = bool(np.array_equal(ids, ref))
         self.text = text
-        return ms, ok
+        self.pending.append(_Pending(text, replies, record))
+        return ms
 
     def close(self) -> None:
         for c in (self.full, self.delta):
@@ -447,18 +458,37 @@ class _Driver:
                 pass
 
 
+def _check(pending: list[_Pending], reference, progress, task) -> None:
+    """HF ``encode(text).ids`` of every pending text, timed, compared with each of its replies."""
+    while pending:
+        p = pending.pop(0)
+        t0 = time.perf_counter()
+        ref = np.asarray(reference.encode(p.text).ids, dtype=np.int32)
+        hf_ms = (time.perf_counter() - t0) * 1e3
+        p.record(hf_ms, {m: bool(np.array_equal(ids, ref)) for m, ids in p.replies.items()}, len(ref))
+        progress.advance(task)
+
+
 def _replay_session(driver: _Driver, f, turns, base, r: _SessionResult, progress=None, task=None) -> None:
-    """One session through all modes, turn by turn; timings, routes and mismatches go into ``r``."""
+    """One session through all modes, turn by turn; timings and routes go into ``r`` now, the HF time,
+    mismatches and final id count when :func:`_check` runs."""
+
+    def recorder(k: int):
+        def record(hf_ms: float, exact: dict[str, bool], n_ids: int) -> None:
+            (r.ms if k else r.first_ms)["hf"].append(hf_ms)
+            for m, good in exact.items():
+                r.bad[m] += 0 if good else 1
+            if k == len(turns) - 1:
+                r.tokens = n_ids
+        return record
+
     try:
         for k, turn in enumerate(turns):
-            ms, ok = driver.turn(base + turn, f"session {f.name} turn {k}")
+            ms = driver.turn(base + turn, f"session {f.name} turn {k}", recorder(k))
             for m, v in ms.items():
                 (r.ms if k else r.first_ms)[m].append(v)
-            for m, good in ok.items():
-                r.bad[m] += 0 if good else 1
             r.routes["full"][driver.full.last.route] += 1
             r.routes["delta"][driver.delta.last.route] += 1
-            r.tokens = driver.n_ids
             if progress is not None:
                 progress.advance(task)
     finally:
@@ -473,13 +503,22 @@ def _sweep_turns(sessions) -> list[str]:
     return pool
 
 
-def _sweep(driver: _Driver, sessions, progress, task) -> tuple[list[_SweepPoint], int]:
+def _sweep(driver: _Driver, sessions, progress, task) -> tuple[list[_SweepPoint], list[int]]:
     """Grow one session through :data:`SWEEP_CHARS`: at each size, one untimed growth request (old context
-    appended, checked), then :data:`SWEEP_TURNS` timed real turns. Returns (one point per size, mismatches)."""
+    appended; checked), then :data:`SWEEP_TURNS` timed real turns. Returns (one point per size, a one-element
+    list that :func:`_check` fills with the sweep's mismatches)."""
     grow = base_context(SWEEP_CHARS[-1] + 200_000, [t for _, t in sessions])
     turns = _sweep_turns(sessions)
     points, pos, j = [], 0, 0
-    bad = 0
+    bad = [0]
+
+    def recorder(point: _SweepPoint | None):
+        def record(hf_ms: float, exact: dict[str, bool], n_ids: int) -> None:
+            bad[0] += sum(not v for v in exact.values())
+            if point is not None:
+                point.ms["hf"].append(hf_ms)
+        return record
+
     try:
         for size in SWEEP_CHARS:
             need = max(0, size - len(driver.text))
@@ -487,13 +526,11 @@ def _sweep(driver: _Driver, sessions, progress, task) -> tuple[list[_SweepPoint]
             end = chunk.rfind(END_OF_MESSAGE)
             chunk = chunk[: end + len(END_OF_MESSAGE)] if end > 0 else chunk
             pos += len(chunk)
-            _, ok = driver.turn(driver.text + chunk, f"sweep growth to {size:,} chars")
-            bad += sum(not v for v in ok.values())
+            driver.turn(driver.text + chunk, f"sweep growth to {size:,} chars", recorder(None))
             point = _SweepPoint(0)
             for _ in range(SWEEP_TURNS):
-                ms, ok = driver.turn(driver.text + turns[j % len(turns)], f"sweep at {size:,} chars")
+                ms = driver.turn(driver.text + turns[j % len(turns)], f"sweep at {size:,} chars", recorder(point))
                 j += 1
-                bad += sum(not v for v in ok.values())
                 for m, v in ms.items():
                     point.ms[m].append(v)
             point.chars = len(driver.text)
@@ -506,12 +543,12 @@ def _sweep(driver: _Driver, sessions, progress, task) -> tuple[list[_SweepPoint]
 
 def _replay(mod, url, protocol, sessions, base, reference, console, timeout_s, server, repeat, encode_model,
             sweep: bool):
-    """Warm up, replay every session ``repeat`` times (one correlation ID per session, pass and mode), then
-    the sweep.
+    """Warm up, replay every session ``repeat`` times (one correlation ID per session, pass and mode), the
+    sweep, then the HF check of every reply.
 
     Returns:
         (results of the timed passes, result of the warm-up: verified too, not timed in the table, sweep:
-        (points, mismatches) or ``None``).
+        (points, [mismatches]) or ``None``, the full re-encode's model).
 
     Raises:
         ServerFailure: a request failed.
@@ -525,10 +562,10 @@ def _replay(mod, url, protocol, sessions, base, reference, console, timeout_s, s
         client, kwargs, session_timeout = mod.InferenceServerClient(url), {"client_timeout": timeout_s}, timeout_s
     else:
         client, kwargs, session_timeout = mod.InferenceServerClient(url, network_timeout=timeout_s), {}, None
-    results, swept = [], None
+    results, swept, pending = [], None, []
 
     def driver(key: str) -> _Driver:
-        return _Driver(mod, client, kwargs, url, protocol, key, session_timeout, server, reference, encode_model)
+        return _Driver(mod, client, kwargs, url, protocol, key, session_timeout, server, encode_model, pending)
 
     try:
         if encode_model == FAST_ENCODE_MODEL and not client.is_model_ready(FAST_ENCODE_MODEL):
@@ -555,16 +592,19 @@ def _replay(mod, url, protocol, sessions, base, reference, console, timeout_s, s
                         results.append(_SessionResult(_label(f), len(turns), len(base) + len(turns[-1]), 0))
                     _replay_session(driver(f"{i}" + (f"-p{p + 1}" if repeat > 1 else "")), f, turns, base,
                                     results[i - 1], progress, task)
+            progress.remove_task(task)
             if sweep:
-                progress.remove_task(task)
                 task = progress.add_task(f"growing a session to {SWEEP_CHARS[-1]:,}+ chars", total=len(SWEEP_CHARS))
                 swept = _sweep(driver("sweep"), sessions, progress, task)
+                progress.remove_task(task)
+            task = progress.add_task("checking every reply against HF", total=len(pending))
+            _check(pending, reference, progress, task)
     finally:
         try:
             client.close()
         except Exception:
             pass
-    return results, warm, swept
+    return results, warm, swept, encode_model
 
 
 def _report(results, warm, sweep, console, base_chars: int, plot_path: Path | None, encode_model: str) -> int:
@@ -624,7 +664,7 @@ def _report(results, warm, sweep, console, base_chars: int, plot_path: Path | No
 
     sweep_bad = 0
     if sweep is not None:
-        points, sweep_bad = sweep
+        points, (sweep_bad,) = sweep
         t = Table(title=f"one session grown from {SWEEP_CHARS[0]:,} to {points[-1].chars:,} chars: per-turn "
                         f"latency, median of {SWEEP_TURNS} real turns, ms")
         for h in ("context chars", "repair delta+patch", "repair full-text", "full re-encode", "HF encode",
