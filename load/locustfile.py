@@ -9,6 +9,10 @@ Routes (one Locust user = one agent session at a time, holding its own correlati
 - ``stateless`` (:class:`StatelessUser`): the same traffic to ``toktier_encode``, each turn the whole text.
 - ``stateless_hf`` (:class:`StatelessHFUser`): the same traffic to ``toktier_encode_hf`` (``load/models/``):
   a plain stateless CPU frontend, HF ``tokenizers`` ``encode`` per request (``capacity.py`` serves it).
+- ``stateless_fast`` (:class:`StatelessFastUser`): the same traffic to ``toktier_encode_fast``
+  (``toktier_backend/data/models/``): fastokens on the whole text, no state, no prefix index.
+- ``noop`` (:class:`NoopSessionUser`): the session traffic to ``toktier_session_noop`` (``load/models/``),
+  which answers a constant: the serving stack's floor (replies counted, never checked).
 
 Pacing (``--arrivals``): ``open`` (default with ``--rates``): Poisson arrivals at the offered rate whatever
 the latency, stepped by :class:`StepRateShape`; latency counts from when a request was *due*. ``closed``:
