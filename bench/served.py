@@ -8,11 +8,18 @@ One run, on loopback, one face at a time (2 cores: the faces never compete):
 - ``in-process``: the core ``Session.append`` with no server (what serving adds is the difference).
 
 Per face: a :class:`SessionClient` opens the session with the ~1M-char base text (timed once), then
-``--warmup`` + ``--samples`` appends of whole agent turns of 1.0K-2.5K chars (~1.5K mean) from the bundled
+``--warmup`` (40: past the shadow verifier's first 32 samples per instance) + ``--samples`` appends of whole agent turns of 1.0K-2.5K chars (~1.5K mean) from the bundled
 SWE-agent trajectories (``../shared/corpus/swe-agent``, else the bundled sample; consecutive turns
 joined up to that size), each timed with ``perf_counter_ns`` on the client (request to rebuilt ids). The
 **no-op floor** is the p50 of an empty ``delta`` on a one-word session through the same model (transport,
 batcher, Python-backend IPC and handler; no tokenization); ``noop@1M`` is an empty delta on the 1M session.
+
+Where the time goes: per native append, the ms inside tritonclient's ``infer`` (round trip) vs the client's
+own work around it (``SessionClient`` rebuilding text and ids), and Triton's per-model statistics (queue,
+compute_input, compute_infer, compute_output; ``get_inference_statistics``) for the appends and the floor.
+``--faces handler`` adds the ``Handler`` in this process with Triton-shaped tensors (no server): what the
+handler adds above ``Session.append``. ``--param KEY=VALUE`` sets a model parameter (e.g. ``verifier_first_n=0``).
+See ``docs/design/served_path.md``.
 
 Exactness first: every face's final ids (rebuilt from the patches) must equal HF
 ``Tokenizer.from_file(path).encode(text, add_special_tokens=True).ids`` of the final text; each reply is
@@ -81,32 +88,123 @@ def timed_ms(fn) -> tuple[float, object]:
     return (time.perf_counter_ns() - t) / 1e6, out
 
 
+class _InferTimer:
+    """Wraps a tritonclient's ``infer``: the ms of each call (gRPC round trip: client (de)serialization,
+    loopback, Triton), so that the client's own work (``SessionClient`` rebuilding text and ids) is the rest."""
+
+    def __init__(self, client):
+        self._client, self.ms = client, []
+
+    def infer(self, *a, **kw):
+        t = time.perf_counter_ns()
+        try:
+            return self._client.infer(*a, **kw)
+        finally:
+            self.ms.append((time.perf_counter_ns() - t) / 1e6)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def triton_stats(client, model: str) -> dict:
+    """Triton's cumulative per-model statistics: ``{success, queue, compute_input, compute_infer,
+    compute_output: (count, ns)}`` (``get_inference_statistics``; compute_infer = the Python backend's
+    ``execute`` incl. its IPC to the stub process)."""
+    st = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]
+    return {k: (int(st.get(k, {}).get("count", 0)), int(st.get(k, {}).get("ns", 0)))
+            for k in ("success", "queue", "compute_input", "compute_infer", "compute_output")}
+
+
+def stats_delta(a: dict, b: dict) -> dict:
+    """Mean ms per request of each Triton phase between two :func:`triton_stats` snapshots."""
+    out = {}
+    for k in a:
+        n, ns = b[k][0] - a[k][0], b[k][1] - a[k][1]
+        out[k + "_ms"] = ns / n / 1e6 if n else None
+    return out
+
+
 def run_face(face: str, server, base: str, deltas: list[str], warmup: int, floor_n: int) -> dict:
     from toktier_backend.client import SessionClient
 
     kind = "native" if face == "native" else "pytriton"
     c = SessionClient(server.grpc_url, face=kind, reply="patch")
+    timer = c._client = _InferTimer(c._client)
+    if kind == "native":
+        import tritonclient.grpc as grpcclient
+
+        stats_client = grpcclient.InferenceServerClient(server.grpc_url)
+        stats = lambda: triton_stats(stats_client, "toktier_session")  # noqa: E731
+    else:
+        stats = lambda: None  # noqa: E731
     open_ms, _ = timed_ms(lambda: c.open(base))
-    times, routes, patch_len = [], Counter(), []
+    times, infer_ms, routes, patch_len = [], [], Counter(), []
     for i, d in enumerate(deltas):
+        if i == warmup:
+            s0 = stats()
         ms, ids = timed_ms(lambda: c.append(d))
         if i >= warmup:
             times.append(ms)
+            infer_ms.append(timer.ms[-1])
             routes[c.last.route] += 1
             patch_len.append(c.last.n - c.last.keep)
+    s1 = stats()
     noop_big = [timed_ms(lambda: c.append(""))[0] for _ in range(floor_n)]
     final_ids, final_text = c.ids.copy(), c.text
     reopens = c.reopens
     c.close()
     f = SessionClient(server.grpc_url, face=kind, reply="patch")
+    ftimer = f._client = _InferTimer(f._client)
     f.open("floor")
-    floor = [timed_ms(lambda: f.append(""))[0] for _ in range(floor_n + 5)][5:]
+    for _ in range(5):  # warmup
+        f.append("")
+    s2 = stats()
+    floor = [timed_ms(lambda: f.append(""))[0] for _ in range(floor_n)]
+    s3 = stats()
     f.close()
-    return {
+    out = {
         "open_ms": open_ms, "append": pct(times), "noop_floor": pct(floor), "noop_at_context": pct(noop_big),
+        "append_infer": pct(infer_ms), "noop_floor_infer": pct(ftimer.ms[-floor_n:]),
+        "append_client_only": pct([a - b for a, b in zip(times, infer_ms)]),
         "routes": dict(routes), "patch_ids_mean": float(np.mean(patch_len)), "reopens": reopens,
         "_ids": final_ids, "_text": final_text,
     }
+    if kind == "native":
+        out["triton_append"] = stats_delta(s0, s1)
+        out["triton_floor"] = stats_delta(s2, s3)
+    return out
+
+
+def run_handler(spec: str, base: str, deltas: list[str], warmup: int, floor_n: int) -> dict:
+    """The served path without Triton: ``Handler.handle_session_tensors`` in this process with the tensors a
+    Triton request carries ([1, 1] object arrays), as the model's ``execute`` calls it, plus the batch
+    dimension of the outputs. ``handler - core`` is what the handler adds above ``Session.append``."""
+    from toktier_backend.faces import triton_io
+    from toktier_backend.faces.triton import Handler
+
+    def tensors(text: str) -> dict:
+        return {"TEXT": np.array([[text.encode("utf-8")]], dtype=np.object_),
+                "MODE": np.array([[b"delta"]], dtype=np.object_), "REPLY": np.array([[b"patch"]], dtype=np.object_),
+                "ADD_SPECIAL_TOKENS": np.array([[True]], dtype=np.bool_)}
+
+    h = Handler.from_parameters({"tokenizer": spec}, model="toktier_session")
+    try:
+        h.handle_session_tensors(1, {**tensors(base), "MODE": np.array([[b"full"]], dtype=np.object_)},
+                                 start=True, end=False)
+        times = []
+        for i, d in enumerate(deltas):
+            x = tensors(d)
+            ms, out = timed_ms(lambda: triton_io.with_batch_dim(h.handle_session_tensors(1, x, start=False, end=False), True))
+            if i >= warmup:
+                times.append(ms)
+        entry = h.store.get(1, touch=False)
+        final_ids, final_text = entry.session.ids.copy(), entry.session.text
+        noop = [timed_ms(lambda: h.handle_session_tensors(1, tensors(""), start=False, end=False))[0]
+                for _ in range(floor_n)]
+    finally:
+        h.close()
+    return {"append": pct(times), "noop_at_context": pct(noop), "routes": {}, "open_ms": float("nan"),
+            "_ids": final_ids, "_text": final_text}
 
 
 def run_in_process(tok, base: str, deltas: list[str], warmup: int) -> dict:
@@ -126,11 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=str(tt.default_tokenizer_path()), help="tokenizer.json (default: bundled GPT-2)")
     ap.add_argument("--context", type=int, default=1_000_000, help="session context before the appends (chars)")
     ap.add_argument("--samples", type=int, default=60, help="timed appends per face (>= 50 for a p99)")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=40, help="appends before the timed ones (default 40: past the "
+                    "shadow verifier's first_n=32 per instance, whose samples re-encode the whole text)")
     ap.add_argument("--floor", type=int, default=60, help="no-op requests per face")
-    ap.add_argument("--faces", default="native,pytriton", help="comma list of native,pytriton")
+    ap.add_argument("--faces", default="native,pytriton", help="comma list of native, pytriton, handler (the "
+                    "Handler in this process, no Triton)")
     ap.add_argument("--corpus", default=None, help="folder of *.traj for the appends (default: ../shared/corpus/"
                     "swe-agent if present, else the bundled sample)")
+    ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                    help="model parameter for the native server (repeatable), e.g. verifier_first_n=0")
     ap.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = ap.parse_args(argv)
 
@@ -153,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(args.out)
     logs.mkdir(parents=True, exist_ok=True)
     for face in [f.strip() for f in args.faces.split(",") if f.strip()]:
+        if face == "handler":
+            results["faces"]["handler"] = run_handler(args.tokenizer, base, deltas, args.warmup, args.floor)
+            continue
         cls = TritonServer if face == "native" else PyTritonServer
-        server = cls(args.tokenizer, http_port=0, grpc_port=0, metrics_port=0, log_path=logs / f"served-{face}.log")
+        kw = {"parameters": dict(p.split("=", 1) for p in args.param)} if face == "native" and args.param else {}
+        server = cls(args.tokenizer, http_port=0, grpc_port=0, metrics_port=0, log_path=logs / f"served-{face}.log", **kw)
         server.start().wait_ready(300)
         try:
             results["faces"][face] = run_face(face, server, base, deltas, args.warmup, args.floor)
@@ -178,6 +284,20 @@ def main(argv: list[str] | None = None) -> int:
         f = lambda v: f"{v:9.2f}" if v is not None else f"{'-':>9}"  # noqa: E731
         print(f"{name:<11} {'yes' if r['exact'] else 'NO':<6} {a['p50']:9.2f}ms {f(a['p90'])} {f(a['p99'])} "
               f"{f(floor):>14}ms {f(at_ctx):>12}ms {r['open_ms']:10.1f}ms  {r['routes']}")
+    for name in ("native", "pytriton"):
+        r = results["faces"].get(name)
+        if r:
+            a, fl = r["append_infer"], r["noop_floor_infer"]
+            print(f"{name}: inside infer() p50 {a['p50']:.3f} ms (floor {fl['p50']:.3f}); client rebuild p50 "
+                  f"{r['append_client_only']['p50']:.3f} ms")
+        if r and "triton_append" in r:
+            ta, tf = r["triton_append"], r["triton_floor"]
+            print(f"{name}: Triton mean ms per request, append / floor: " + ", ".join(
+                f"{k[:-3]} {ta[k]:.3f}/{tf[k]:.3f}" for k in ta if ta[k] is not None and tf[k] is not None))
+    if "handler" in results["faces"] and "in-process" in results["faces"]:
+        h, c = results["faces"]["handler"]["append"]["p50"], results["faces"]["in-process"]["append"]["p50"]
+        print(f"handler in process: append p50 {h:.3f} ms, core Session.append p50 {c:.3f} ms: the handler adds "
+              f"{h - c:.3f} ms")
     if native_floor:
         for name in ("native", "pytriton"):
             if name in results["faces"]:

@@ -14,8 +14,12 @@ request and no reference mismatch. Between steps (off the timed path) the sample
 against HF ``tokenizers``.
 
 Routes: ``session`` (``toktier_session``: delta turns, patch replies), ``stateless`` (``toktier_encode``,
-whole text every turn), ``stateless_hf`` (``toktier_encode_hf`` from ``load/models``: HF ``tokenizers``
-encode per request, the plain CPU frontend; only served when this script starts the server).
+whole text every turn; it reuses indexed prefixes by content), ``stateless_hf`` (``toktier_encode_hf`` from
+``load/models``: HF ``tokenizers`` encode per request, the plain CPU frontend), ``stateless_fast``
+(``toktier_encode_fast`` from ``toktier_backend/data/models``: fastokens on the whole text, no state, no prefix
+index: what a user would deploy instead), ``noop`` (``toktier_session_noop`` from ``load/models``: the session
+traffic to a model that answers a constant: the serving stack's own floor; ``session / noop`` is our
+capacity as a fraction of it). The extra models are only served when this script starts the server.
 
 Outputs in ``--out``: ``steps.csv`` (every step, exact percentiles, CPU use), ``capacity.json``,
 ``capacity.md`` (the table), ``p99_vs_offered.png``, ``throughput_vs_offered.png``, ``tritonserver.log``.
@@ -55,6 +59,8 @@ from locustfile import MODELS, USER_CLASSES, LoadConfig, configure  # noqa: E402
 from workload import REPO, StepStats, clock, users_for  # noqa: E402
 
 EXTRA_MODELS = HERE / "models"
+#: models shipped with the package (``toktier demo`` serves toktier_encode_fast too)
+PACKAGE_MODELS = REPO / "toktier_backend" / "data" / "models"
 
 # all of a step's sessions start at once (their first arrivals are spread over the warmup)
 logging.getLogger("locust.runners").addFilter(lambda r: "spawn rate is very high" not in r.getMessage())
@@ -65,13 +71,15 @@ logging.getLogger("locust.runners").addFilter(lambda r: "spawn rate is very high
 
 def combined_repository(routes: list[str]) -> Path:
     """A model repository with the models ``routes`` need: ours from the project's ``model_repository/``,
-    ``toktier_encode_hf`` from ``load/models/``."""
+    ``toktier_encode_hf`` and ``toktier_session_noop`` from ``load/models/``, ``toktier_encode_fast`` from
+    ``toktier_backend/data/models/``."""
     from toktier_backend.deploy.server import DEFAULT_MODEL_REPOSITORY
 
     dst = Path(tempfile.mkdtemp(prefix="toktier-load-models-"))
     for route in routes:
         model = MODELS[route]
-        src = EXTRA_MODELS / model if (EXTRA_MODELS / model).is_dir() else DEFAULT_MODEL_REPOSITORY / model
+        src = next((d / model for d in (EXTRA_MODELS, PACKAGE_MODELS) if (d / model).is_dir()),
+                   DEFAULT_MODEL_REPOSITORY / model)
         shutil.copytree(src, dst / model, ignore=shutil.ignore_patterns("__pycache__"))
     return dst
 
@@ -173,7 +181,7 @@ def settle(route: str, args, rt) -> float:
     while good < 2 and clock() - t0 < args.settle_s:
         t = clock()
         try:
-            if route == "session":
+            if route in ("session", "noop"):
                 conn.infer(MODELS[route], {"TEXT": "hello", "MODE": "full"}, ("REQUEST_INPUT_LEN",),
                            sequence_id=f"settle-{os.getpid()}-{next(_settle_ids)}", sequence_start=True,
                            sequence_end=True)
@@ -342,12 +350,15 @@ def write_outputs(out: Path, all_steps: dict[str, list[Step]], args, meta: dict,
     ours = routes.get("session", {}).get("max_rps")
     ratio = (ours / base) if ours is not None and base else None
     ratios = {r: (ours / c["max_rps"]) if ours is not None and c["max_rps"] else None
-              for r, c in routes.items() if r != "session"}
+              for r, c in routes.items() if r not in ("session", "noop")}
+    floor = routes.get("noop", {}).get("max_rps")
+    of_floor = (ours / floor) if ours is not None and floor else None
     result = {
         "slo_p99_ms": args.slo_p99_ms,
         "routes": routes,
         "ratio": ratio,  # session / stateless (toktier_encode)
         "ratios": ratios,  # session / each baseline
+        "of_floor": of_floor,  # session / noop: our capacity as a fraction of the serving stack's floor
         "config": meta,
     }
     (out / "capacity.json").write_text(json.dumps(_clean(result), indent=1) + "\n")
@@ -388,6 +399,10 @@ def table(result: dict) -> str:
             lines.append(f"session / {r}: unbounded ({r} meets the SLO at no offered rate)")
         else:
             lines.append(f"session / {r}: –")
+    if "noop" in result["routes"]:
+        v = result.get("of_floor")
+        lines.append(f"session / noop (the serving floor, {MODELS['noop']}): "
+                     + (f"{v:.2f} ({100 * v:.0f} % of the floor's capacity)" if v is not None else "–"))
     return "\n".join(lines) + "\n"
 
 
@@ -397,7 +412,8 @@ def plot(out: Path, all_steps: dict[str, list[Step]], slo: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"session": "tab:green", "stateless": "tab:blue", "stateless_hf": "tab:red"}
+    colors = {"session": "tab:green", "stateless": "tab:blue", "stateless_hf": "tab:red",
+              "stateless_fast": "tab:purple", "noop": "tab:gray"}
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     finite = [s.p99_ms for steps in all_steps.values() for s in steps if math.isfinite(s.p99_ms)]
     ceiling = max(finite + [slo]) * 2  # where an infinite P99 (unfinished requests) is drawn
@@ -458,8 +474,9 @@ def parse_args(argv=None):
     p.add_argument("--url", default="", help="host:port of a running server (default: start one here)")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     p.add_argument("--tokenizer", default="default", help="tokenizer spec to serve (and to check against)")
-    p.add_argument("--routes", default="session,stateless,stateless_hf",
-                   help="comma-separated: session, stateless (toktier_encode), stateless_hf (HF baseline)")
+    p.add_argument("--routes", default="session,noop,stateless_fast,stateless,stateless_hf",
+                   help="comma-separated: session, noop (the serving floor), stateless_fast (fastokens, no state), "
+                        "stateless (toktier_encode), stateless_hf (HF baseline)")
     p.add_argument("--slo-p99-ms", type=float, default=50.0)
     p.add_argument("--start-rps", type=float, default=20.0)
     p.add_argument("--growth", type=float, default=1.5, help="rate factor between steps")

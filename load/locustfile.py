@@ -9,6 +9,10 @@ Routes (one Locust user = one agent session at a time, holding its own correlati
 - ``stateless`` (:class:`StatelessUser`): the same traffic to ``toktier_encode``, each turn the whole text.
 - ``stateless_hf`` (:class:`StatelessHFUser`): the same traffic to ``toktier_encode_hf`` (``load/models/``):
   a plain stateless CPU frontend, HF ``tokenizers`` ``encode`` per request (``capacity.py`` serves it).
+- ``stateless_fast`` (:class:`StatelessFastUser`): the same traffic to ``toktier_encode_fast``
+  (``toktier_backend/data/models/``): fastokens on the whole text, no state, no prefix index.
+- ``noop`` (:class:`NoopSessionUser`): the session traffic to ``toktier_session_noop`` (``load/models/``),
+  which answers a constant: the serving stack's floor (replies counted, never checked).
 
 Pacing (``--arrivals``): ``open`` (default with ``--rates``): Poisson arrivals at the offered rate whatever
 the latency, stepped by :class:`StepRateShape`; latency counts from when a request was *due*. ``closed``:
@@ -53,8 +57,11 @@ from workload import Pacer, Recorder, ReferenceChecker, Sample, Workload, clock,
 
 log = logging.getLogger("toktier.load")
 
-ROUTES = ("session", "stateless", "stateless_hf")
-MODELS = {"session": "toktier_session", "stateless": "toktier_encode", "stateless_hf": "toktier_encode_hf"}
+ROUTES = ("session", "stateless", "stateless_hf", "stateless_fast", "noop")
+MODELS = {"session": "toktier_session", "stateless": "toktier_encode", "stateless_hf": "toktier_encode_hf",
+          "stateless_fast": "toktier_encode_fast", "noop": "toktier_session_noop"}
+#: routes whose replies are not tokenizations (never offered to the reference checker)
+UNCHECKED = {"noop"}
 
 
 # ---------------------------------------------------------------- configuration and shared state
@@ -288,7 +295,7 @@ class SessionUser(ReplayUser):
         sent = clock()
         try:
             out = self.conn.infer(
-                "toktier_session",
+                MODELS[self.route],
                 {"TEXT": payload, "MODE": mode, "REPLY": reply, "ADD_SPECIAL_TOKENS": cfg.add_special_tokens},
                 ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP"),
                 sequence_id=self.sid, sequence_start=start, sequence_end=end,
@@ -310,7 +317,8 @@ class SessionUser(ReplayUser):
             return sample
         sample = Sample(self.route, kind, scheduled, sent, done, True, len(payload), "", len(text))
         self.fire(sample, len(ids))
-        self.rt.checker.offer(self.route, text, cfg.add_special_tokens, ids)  # after timing: refs only
+        if self.route not in UNCHECKED:
+            self.rt.checker.offer(self.route, text, cfg.add_special_tokens, ids)  # after timing: refs only
         self.ids, self.dirty, self.need_start = ids, False, False
         s.position += 1
         if end:
@@ -321,7 +329,7 @@ class SessionUser(ReplayUser):
         if getattr(self, "sid", None) is None or not hasattr(self, "conn"):
             return
         try:  # free the server's state; untimed, not recorded
-            self.conn.infer("toktier_session", {"TEXT": "", "MODE": "delta"}, ("REQUEST_INPUT_LEN",),
+            self.conn.infer(MODELS[self.route], {"TEXT": "", "MODE": "delta"}, ("REQUEST_INPUT_LEN",),
                             sequence_id=self.sid, sequence_end=True)
         except Exception:  # noqa: BLE001 - the server may have dropped it already
             pass
@@ -365,7 +373,22 @@ class StatelessHFUser(StatelessUser):
     route = "stateless_hf"
 
 
-USER_CLASSES = {"session": SessionUser, "stateless": StatelessUser, "stateless_hf": StatelessHFUser}
+class StatelessFastUser(StatelessUser):
+    """The same stateless traffic to ``toktier_encode_fast``: fastokens on the whole text, no state, no prefix
+    index (what a user would deploy instead)."""
+
+    route = "stateless_fast"
+
+
+class NoopSessionUser(SessionUser):
+    """The session traffic (same tensors, flags and sizes) to ``toktier_session_noop``, which answers a
+    constant: the serving stack's own floor. Its replies are counted, never checked against the reference."""
+
+    route = "noop"
+
+
+USER_CLASSES = {"session": SessionUser, "stateless": StatelessUser, "stateless_hf": StatelessHFUser,
+                "stateless_fast": StatelessFastUser, "noop": NoopSessionUser}
 _ids = itertools.count(1)
 
 
@@ -486,5 +509,6 @@ def _report(environment, **_kwargs) -> None:
     RUNTIME.close()
 
 
-__all__ = ["LoadConfig", "configure", "runtime", "SessionUser", "StatelessUser", "StatelessHFUser",
+__all__ = ["LoadConfig", "configure", "runtime", "SessionUser", "StatelessUser", "StatelessHFUser", "StatelessFastUser",
+           "NoopSessionUser",
            "StepRateShape", "USER_CLASSES", "workload"]

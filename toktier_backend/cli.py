@@ -15,7 +15,8 @@ def _demo(args) -> int:
     from toktier_backend.demo import run_served
 
     return run_served(args.tokenizer, args.sessions, protocol=args.protocol, url=args.url,
-                      ready_timeout_s=args.ready_timeout, repeat=args.repeat)
+                      ready_timeout_s=args.ready_timeout, repeat=args.repeat, context_chars=args.context_chars,
+                      plot=None if args.no_plot else (args.plot or "default"))
 
 
 def _encode(args) -> int:
@@ -56,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="serve, replay real agent sessions through the client and check every reply against HF",
         description=(
-            "Start tritonserver (nvidia-pytriton) with the tokenizer, replay agent sessions turn by turn through "
-            "the client (toktier_session in full-text and delta+patch mode, toktier_encode as the full "
-            "re-encode), check every reply against the HF reference and print per-turn latencies and routes. "
+            "Start tritonserver (nvidia-pytriton) with the tokenizer, replay agent sessions turn by turn on a "
+            "~400K-char base context through the client (toktier_session in full-text and delta+patch mode, "
+            "toktier_encode_fast as the full re-encode), check every reply against the HF reference and print "
+            "per-turn latencies and routes; then grow one session from 10K to 1M+ chars and plot latency vs "
+            "context size (PNG). "
             "Exit code: 0 all exact, 1 mismatches, 2 server failure, 130/143 Ctrl-C/SIGTERM. The server is always "
             "stopped. --local replays through the library instead (no server)."
         ),
@@ -71,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of a running `toktier serve` with the same tokenizer, instead of starting one")
     p.add_argument("--repeat", type=int, default=1, help="replay the sessions N times for more samples (default 1)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
+    p.add_argument("--context-chars", type=int, default=400_000,
+                   help="base context before every session's turns, chars (default 400000; 0: none)")
+    p.add_argument("--plot", default=None, help="PNG path of the latency-vs-context plot (default: "
+                   "<tmp>/toktier-demo/latency_vs_context.png)")
+    p.add_argument("--no-plot", action="store_true", help="skip the 10K-to-1M-char sweep and its plot")
     p.set_defaults(func=_demo)
     p = sub.add_parser("encode", help="print the ids of TEXT (or stdin)")
     p.add_argument("text", nargs="?")

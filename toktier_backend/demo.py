@@ -1,18 +1,28 @@
-"""``toktier demo``: replay real agent sessions turn by turn and prove every reply exact.
+"""``toktier demo``: replay real agent sessions turn by turn, at agent scale, and prove every reply exact.
 
-Each trajectory becomes a session: turn ``i`` sends the whole conversation so far (full-text mode, as
-coding agents do). For every turn we time the session repair and a full re-encode of the same text, and
-compare the ids with the HF reference ``tokenizers.Tokenizer.from_file(path).encode(text).ids``. The
-output ends with the mismatch count, which must be 0.
+Agent sessions carry ~100K tokens (~400K chars) of old context and add ~1.5K chars a turn, while the bundled
+SWE-agent trajectories end at 7K-17K chars. So every replayed session starts from a **base context** of
+``context_chars`` chars (default :data:`DEFAULT_CONTEXT_CHARS`): the bundled trajectories rendered as ChatML
+and concatenated (:func:`base_context`), cut back to the end of a message, as ``load/capacity.py`` builds
+its contexts; turn ``i`` of a trajectory is ``base + turns[i]``. Every reply is compared with the HF
+reference ``tokenizers.Tokenizer.from_file(path).encode(text).ids`` of the same text; the output ends with
+the mismatch count, which must be 0.
 
-:func:`run_served` (``toktier demo``, the main job) starts ``tritonserver`` with our model repository and
-sends every turn through the client, one correlation ID per session and mode:
+:func:`run_served` (``toktier demo``, the main job) starts ``tritonserver`` with ``toktier_session`` and
+``toktier_encode_fast`` and sends every turn through the client, one correlation ID per session and mode:
 
 - ``toktier_session`` in full-text mode (``MODE=full``, ``REPLY=full``: the whole conversation so far, all
   ids back) with :class:`~toktier_backend.client.SessionClient` — the served repair;
 - ``toktier_session`` in delta mode (``MODE=delta``, ``REPLY=patch``: only the new message, only the ids
   from ``KEEP`` on) — what a client that tracks its text can send;
-- ``toktier_encode`` on the same whole text — the served full re-encode.
+- ``toktier_encode_fast`` on the same whole text — the served full re-encode: the fastest exact engine
+  (fastokens) with no state, ``toktier_backend/data/models/`` (against a running server given by ``url``:
+  ``toktier_encode``, which reuses indexed prefixes by content, so it is not a full re-encode there);
+- the HF reference's own encode of the same text, in this process, timed; it is also the check, and runs
+  after all served requests (between them it slowed them ~2x on 2 cores).
+
+Then one more session grows from 10K to over 1M chars (:data:`SWEEP_CHARS`): at each size :data:`SWEEP_TURNS` real turns
+are appended and timed the same four ways, and a PNG of latency vs context size is written.
 
 :func:`run_local` (``toktier demo --local``) replays through the library, no server.
 """
@@ -26,6 +36,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -115,6 +126,56 @@ def run_local(tokenizer_spec: str | None, sessions_dir: str | None, *, console=N
 
 # ---------------------------------------------------------------- served: the main job
 
+#: default base context of every replayed session, chars (~100K gpt2 tokens of agent text)
+DEFAULT_CONTEXT_CHARS = 400_000
+#: session sizes of the latency-vs-context sweep, chars (SWEEP_TURNS timed turns are appended at each)
+SWEEP_CHARS = (10_000, 30_000, 100_000, 300_000, 1_000_000)
+SWEEP_TURNS = 3
+#: the served full re-encode: plain stateless model on the fastest exact engine (data/models/)
+FAST_ENCODE_MODEL = "toktier_encode_fast"
+FAST_MODEL_DIR = Path(__file__).resolve().parent / "data" / "models" / FAST_ENCODE_MODEL
+END_OF_MESSAGE = "<|im_end|>\n"
+#: model parameters of the server the demo starts: the shadow verifier off, since the demo compares every
+#: reply with HF itself; left on, its HF re-encodes of the first replies (0.3-0.7 s of CPU each at 400K
+#: chars) would compete with the timed requests for the cores
+DEMO_PARAMETERS = {"verifier_rate": "0", "verifier_first_n": "0"}
+
+#: what each turn is timed on, in table order: (key, label, what)
+MODES = (
+    ("full", "repair full-text", "toktier_session MODE=full REPLY=full: the whole conversation each turn"),
+    ("delta", "repair delta+patch", "toktier_session MODE=delta REPLY=patch: the new message, ids from KEEP on"),
+    ("encode", "full re-encode", "toktier_encode_fast: fastokens on the whole conversation, no state"),
+    ("hf", "HF encode", "HF tokenizers encode of the same text, in this process (the check, run after the served requests)"),
+)
+SERVED = ("full", "delta", "encode")
+
+
+def default_plot_path() -> Path:
+    """``<tmp>/toktier-demo/latency_vs_context.png``: outside any checkout, so never in git."""
+    return Path(tempfile.gettempdir()) / "toktier-demo" / "latency_vs_context.png"
+
+
+def base_context(n_chars: int, sessions: list[list[str]] | None = None) -> str:
+    """About ``n_chars`` chars (at most) of old agent context: the final texts of ``sessions`` (lists of
+    cumulative turns; default: the bundled trajectories) rendered as ChatML, concatenated and repeated,
+    cut back to the end of the last whole message (``"<|im_end|>\\n"``). ``n_chars <= 0``: ``""``.
+
+    Raises:
+        ValueError: the sessions hold no text.
+    """
+    if n_chars <= 0:
+        return ""
+    if sessions is None:
+        from toktier_backend.corpus import load_turns, trajectory_files
+
+        sessions = [load_turns(f) for f in trajectory_files(None)]
+    body = "".join(t[-1] for t in sessions if t)
+    if not body:
+        raise ValueError("no session text to build a base context from")
+    text = (body * (n_chars // len(body) + 1))[:n_chars]
+    end = text.rfind(END_OF_MESSAGE)
+    return text[: end + len(END_OF_MESSAGE)] if end > 0 else text
+
 
 class ServerFailure(Exception):
     """The server did not start, died, or failed a request."""
@@ -125,11 +186,17 @@ class _SessionResult:
     name: str
     turns: int
     chars: int
-    tokens: int
+    tokens: int  # HF ids of the final text (set as the turns are replayed)
     ms: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k, *_ in MODES})  # turns after the first
     first_ms: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k, *_ in MODES})  # first turns
     routes: dict[str, Counter] = field(default_factory=lambda: {"full": Counter(), "delta": Counter()})
-    bad: dict[str, int] = field(default_factory=lambda: {k: 0 for k, *_ in MODES})
+    bad: dict[str, int] = field(default_factory=lambda: {k: 0 for k in SERVED})
+
+
+@dataclass
+class _SweepPoint:
+    chars: int  # session text after the point's last turn
+    ms: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k, *_ in MODES})
 
 
 def _encode_inputs(mod, text: str):
@@ -156,9 +223,11 @@ def run_served(
     ready_timeout_s: float = 300.0,
     request_timeout_s: float = 120.0,
     repeat: int = 1,
+    context_chars: int = DEFAULT_CONTEXT_CHARS,
+    plot: str | Path | None = "default",
 ) -> int:
-    """Start the server, replay every session through the client, check every reply against HF, print the
-    table, stop the server.
+    """Start the server, replay every session on top of the base context through the client, check every
+    reply against HF, grow one session from 10K to 1M+ chars for the plot, print the tables, stop the server.
 
     Args:
         tokenizer_spec: ``tokenizer.json``, a folder holding one, or a Hub id (``None``: the bundled GPT-2).
@@ -166,11 +235,15 @@ def run_served(
         sessions_dir: folder of SWE-agent ``*.traj`` files (``None``: the bundled MIT sample).
         protocol: ``"grpc"`` or ``"http"``.
         url: ``host:port`` of a running server (``toktier serve``, same tokenizer; port of ``protocol``)
-            instead of starting one.
+            instead of starting one; the full re-encode is then ``toktier_encode`` unless the server has
+            ``toktier_encode_fast``.
         console: a rich Console (default: stdout).
         ready_timeout_s: how long to wait for the server to load the models.
         request_timeout_s: client timeout per request.
         repeat: replay every session this many times (fresh correlation IDs each pass) for more samples.
+        context_chars: base context before every session's own turns, chars (0: none).
+        plot: PNG path of the latency-vs-context sweep; ``"default"``: :func:`default_plot_path`; ``None``:
+            no sweep, no plot.
 
     Returns:
         the process exit code: 0 (all replies equal the reference), 1 (mismatches), 2 (server failure, bad
@@ -210,10 +283,13 @@ def run_served(
                       "Install it with: pip install 'toktier_backend[serve]' — or run the library-only "
                       "replay with: toktier demo --local")
         return EXIT_FAILURE
+    plot_path = default_plot_path() if plot == "default" else (Path(plot) if plot else None)
 
+    base = base_context(context_chars)
     n_turns = sum(len(t) for _, t in sessions)
     console.print(f"tokenizer [bold]{path}[/]\nsessions: {len(sessions)} files, {n_turns} turns "
-                  f"({sessions_dir or 'bundled SWE-agent sample, MIT'})")
+                  f"({sessions_dir or 'bundled SWE-agent sample, MIT'}), each on a base context of "
+                  f"{len(base):,} chars")
 
     server = None
     workdir = tempfile.TemporaryDirectory(prefix="toktier-demo-")
@@ -224,13 +300,14 @@ def run_served(
     except ValueError:  # not the main thread: leave SIGTERM alone
         pass
     code = EXIT_FAILURE
-    results: list[_SessionResult] = []
     try:
+        encode_model = FAST_ENCODE_MODEL
         if url is None:
             from toktier_backend.deploy.server import TritonServer
 
-            server = TritonServer(str(path), http_port=0, grpc_port=0, metrics_port=0, log_path=log_path,
-                                  exit_timeout_s=5)
+            server = TritonServer(str(path), model_repository=_demo_repository(Path(workdir.name) / "repo"),
+                                  http_port=0, grpc_port=0, metrics_port=0, log_path=log_path, exit_timeout_s=5,
+                                  parameters=DEMO_PARAMETERS)
             t0 = time.perf_counter()
             with console.status("starting tritonserver (loads the tokenizer in every model instance) …"):
                 try:
@@ -240,8 +317,10 @@ def run_served(
             url = server.grpc_url if protocol == "grpc" else server.http_url
             console.print(f"tritonserver pid {server.process.pid} ready in {time.perf_counter() - t0:.1f} s: "
                           f"{protocol} {url}")
-        results, warm = _replay(mod, url, protocol, sessions, reference, console, request_timeout_s, server, repeat)
-        code = _report(results, warm, console)
+        results, warm, sweep, encode_model = _replay(mod, url, protocol, sessions, base, reference, console,
+                                                     request_timeout_s, server, repeat, encode_model,
+                                                     plot_path is not None)
+        code = _report(results, warm, sweep, console, len(base), plot_path, encode_model)
     except (KeyboardInterrupt, _Terminate) as e:
         console.print("[bold yellow]toktier demo: interrupted[/]")
         code = EXIT_TERMINATED if isinstance(e, _Terminate) else EXIT_INTERRUPTED
@@ -268,6 +347,20 @@ def run_served(
     return code
 
 
+def _demo_repository(dst: Path) -> Path:
+    """A model repository of ``toktier_session`` (from the shipped ``model_repository/``) and
+    ``toktier_encode_fast`` (from ``data/models/``); ``TritonServer`` copies it and sets the tokenizer."""
+    import shutil
+
+    from toktier_backend.deploy.server import DEFAULT_MODEL_REPOSITORY
+
+    dst.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(DEFAULT_MODEL_REPOSITORY / "toktier_session", dst / "toktier_session", ignore=ignore)
+    shutil.copytree(FAST_MODEL_DIR, dst / FAST_ENCODE_MODEL, ignore=ignore)
+    return dst
+
+
 def _main_thread() -> bool:
     import threading
 
@@ -291,62 +384,171 @@ def _log_tail(server) -> str:
         return state
 
 
-def _replay_session(mod, client, kwargs, url, protocol, session_key, f, turns, refs, timeout_s, server,
-                    r: "_SessionResult", progress=None, task=None) -> None:
-    """One session through all modes, turn by turn; timings, routes and mismatches go into ``r``."""
-    from toktier_backend.client import SessionClient
+@dataclass
+class _Pending:
+    """A text sent all ways and its replies, waiting for the HF check; ``record(hf_ms, exact, n_ids)``
+    files the result where it belongs (a session's turn, a sweep point)."""
 
-    full = SessionClient(url, protocol=protocol, client=client, session_id=f"demo-{session_key}-full",
-                         reply="full", timeout_s=timeout_s)
-    delta = SessionClient(url, protocol=protocol, client=client, session_id=f"demo-{session_key}-delta",
-                          reply="patch", timeout_s=timeout_s)
-    try:
-        for k, (text, ref) in enumerate(zip(turns, refs)):
-            prev = turns[k - 1] if k else ""
+    text: str
+    replies: dict[str, np.ndarray]
+    record: Callable[[float, dict[str, bool], int], None]
 
-            def run_full():
-                return full.update(text)
 
-            def run_delta():
-                if text.startswith(prev):
-                    return delta.append(text[len(prev):])
-                return delta.update(text)  # not an append: send the whole text
+class _Driver:
+    """One full-text and one delta+patch session on the server plus the stateless encode model; each
+    :meth:`turn` sends one text all ways (rotating which goes first) and times them. The replies wait in
+    :attr:`pending` for :func:`_check`, which runs after all served requests: HF's encode of a 400K-1M-char
+    text churns this process's heap and caches (tens of MB built and freed), and between the served calls
+    it slowed them ~2x on a 2-core machine."""
 
-            def run_encode():
-                res = client.infer("toktier_encode", _encode_inputs(mod, text), **kwargs)
-                return res.as_numpy("INPUT_ID").reshape(-1)
+    def __init__(self, mod, client, kwargs, url, protocol, key, timeout_s, server, encode_model, pending):
+        from toktier_backend.client import SessionClient
 
-            calls = {"full": run_full, "delta": run_delta, "encode": run_encode}
-            order = [m for m, *_ in MODES]
-            order = order[k % 3:] + order[:k % 3]  # rotate, so no mode always goes first
-            for m in order:
-                t0 = time.perf_counter()
-                try:
-                    ids = calls[m]()
-                except Exception as e:
-                    raise ServerFailure(
-                        f"session {f.name} turn {k} ({m}): {type(e).__name__}: {e}{_log_tail(server)}"
-                    ) from e
-                (r.ms if k else r.first_ms)[m].append((time.perf_counter() - t0) * 1e3)
-                if not np.array_equal(ids, ref):
-                    r.bad[m] += 1
-            r.routes["full"][full.last.route] += 1
-            r.routes["delta"][delta.last.route] += 1
-            if progress is not None:
-                progress.advance(task)
-    finally:
-        for c in (full, delta):
+        self.mod, self.client, self.kwargs, self.server = mod, client, kwargs, server
+        self.encode_model, self.pending = encode_model, pending
+        self.full = SessionClient(url, protocol=protocol, client=client, session_id=f"demo-{key}-full",
+                                  reply="full", timeout_s=timeout_s)
+        self.delta = SessionClient(url, protocol=protocol, client=client, session_id=f"demo-{key}-delta",
+                                   reply="patch", timeout_s=timeout_s)
+        self.text = ""
+        self.k = 0
+
+    def turn(self, text: str, where: str, record: Callable[[float, dict[str, bool], int], None]) -> dict[str, float]:
+        """Send ``text`` (the whole session text after this turn) all ways. Returns ms per served mode;
+        the replies go to :attr:`pending` with ``record``.
+
+        Raises:
+            ServerFailure: a request failed.
+        """
+        prev = self.text
+        ms: dict[str, float] = {}
+        replies: dict[str, np.ndarray] = {}
+
+        def run_full():
+            return self.full.update(text)
+
+        def run_delta():
+            if self.delta.is_open and text.startswith(prev):
+                return self.delta.append(text[len(prev):])
+            return self.delta.update(text)  # not an append: send the whole text
+
+        def run_encode():
+            res = self.client.infer(self.encode_model, _encode_inputs(self.mod, text), **self.kwargs)
+            return res.as_numpy("INPUT_ID").reshape(-1)
+
+        calls = {"full": run_full, "delta": run_delta, "encode": run_encode}
+        order = list(SERVED[self.k % 3:] + SERVED[:self.k % 3])  # rotate, so no mode always goes first
+        self.k += 1
+        for m in order:
+            t0 = time.perf_counter()
+            try:
+                replies[m] = calls[m]()  # a new array per reply (SessionClient never reuses one)
+            except Exception as e:
+                raise ServerFailure(f"{where} ({m}): {type(e).__name__}: {e}{_log_tail(self.server)}") from e
+            ms[m] = (time.perf_counter() - t0) * 1e3
+        self.text = text
+        self.pending.append(_Pending(text, replies, record))
+        return ms
+
+    def close(self) -> None:
+        for c in (self.full, self.delta):
             try:
                 c.close()  # END frees the server's state
             except Exception:
                 pass
 
 
-def _replay(mod, url, protocol, sessions, reference, console, timeout_s, server, repeat=1):
-    """Warm up, then replay every session ``repeat`` times, one correlation ID per session, pass and mode.
+def _check(pending: list[_Pending], reference, progress, task) -> None:
+    """HF ``encode(text).ids`` of every pending text, timed, compared with each of its replies."""
+    while pending:
+        p = pending.pop(0)
+        t0 = time.perf_counter()
+        ref = np.asarray(reference.encode(p.text).ids, dtype=np.int32)
+        hf_ms = (time.perf_counter() - t0) * 1e3
+        p.record(hf_ms, {m: bool(np.array_equal(ids, ref)) for m, ids in p.replies.items()}, len(ref))
+        progress.advance(task)
+
+
+def _replay_session(driver: _Driver, f, turns, base, r: _SessionResult, progress=None, task=None) -> None:
+    """One session through all modes, turn by turn; timings and routes go into ``r`` now, the HF time,
+    mismatches and final id count when :func:`_check` runs."""
+
+    def recorder(k: int):
+        def record(hf_ms: float, exact: dict[str, bool], n_ids: int) -> None:
+            (r.ms if k else r.first_ms)["hf"].append(hf_ms)
+            for m, good in exact.items():
+                r.bad[m] += 0 if good else 1
+            if k == len(turns) - 1:
+                r.tokens = n_ids
+        return record
+
+    try:
+        for k, turn in enumerate(turns):
+            ms = driver.turn(base + turn, f"session {f.name} turn {k}", recorder(k))
+            for m, v in ms.items():
+                (r.ms if k else r.first_ms)[m].append(v)
+            r.routes["full"][driver.full.last.route] += 1
+            r.routes["delta"][driver.delta.last.route] += 1
+            if progress is not None:
+                progress.advance(task)
+    finally:
+        driver.close()
+
+
+def _sweep_turns(sessions) -> list[str]:
+    """Real appended turns of 1K-2.5K chars (the agent median is ~1.5K), from the trajectories, cycled."""
+    pool = [b[len(a):] for _, t in sessions for a, b in zip(t, t[1:]) if 1000 <= len(b) - len(a) <= 2500]
+    if not pool:
+        pool = [b[len(a):] for _, t in sessions for a, b in zip(t, t[1:]) if b != a] or ["<|im_start|>user\nok<|im_end|>\n"]
+    return pool
+
+
+def _sweep(driver: _Driver, sessions, progress, task) -> tuple[list[_SweepPoint], list[int]]:
+    """Grow one session through :data:`SWEEP_CHARS`: at each size, one untimed growth request (old context
+    appended; checked), then :data:`SWEEP_TURNS` timed real turns. Returns (one point per size, a one-element
+    list that :func:`_check` fills with the sweep's mismatches)."""
+    grow = base_context(SWEEP_CHARS[-1] + 200_000, [t for _, t in sessions])
+    turns = _sweep_turns(sessions)
+    points, pos, j = [], 0, 0
+    bad = [0]
+
+    def recorder(point: _SweepPoint | None):
+        def record(hf_ms: float, exact: dict[str, bool], n_ids: int) -> None:
+            bad[0] += sum(not v for v in exact.values())
+            if point is not None:
+                point.ms["hf"].append(hf_ms)
+        return record
+
+    try:
+        for size in SWEEP_CHARS:
+            need = max(0, size - len(driver.text))
+            chunk = grow[pos: pos + need]
+            end = chunk.rfind(END_OF_MESSAGE)
+            chunk = chunk[: end + len(END_OF_MESSAGE)] if end > 0 else chunk
+            pos += len(chunk)
+            driver.turn(driver.text + chunk, f"sweep growth to {size:,} chars", recorder(None))
+            point = _SweepPoint(0)
+            for _ in range(SWEEP_TURNS):
+                ms = driver.turn(driver.text + turns[j % len(turns)], f"sweep at {size:,} chars", recorder(point))
+                j += 1
+                for m, v in ms.items():
+                    point.ms[m].append(v)
+            point.chars = len(driver.text)
+            points.append(point)
+            progress.advance(task)
+    finally:
+        driver.close()
+    return points, bad
+
+
+def _replay(mod, url, protocol, sessions, base, reference, console, timeout_s, server, repeat, encode_model,
+            sweep: bool):
+    """Warm up, replay every session ``repeat`` times (one correlation ID per session, pass and mode), the
+    sweep, then the HF check of every reply.
 
     Returns:
-        (results of the timed passes, result of the warm-up pass: verified too, not timed in the table).
+        (results of the timed passes, result of the warm-up: verified too, not timed in the table, sweep:
+        (points, [mismatches]) or ``None``, the full re-encode's model).
 
     Raises:
         ServerFailure: a request failed.
@@ -360,19 +562,26 @@ def _replay(mod, url, protocol, sessions, reference, console, timeout_s, server,
         client, kwargs, session_timeout = mod.InferenceServerClient(url), {"client_timeout": timeout_s}, timeout_s
     else:
         client, kwargs, session_timeout = mod.InferenceServerClient(url, network_timeout=timeout_s), {}, None
-    results = []
-    refs = [[np.asarray(reference.encode(t).ids, dtype=np.int32) for t in turns] for _, turns in sessions]
+    results, swept, pending = [], None, []
+
+    def driver(key: str) -> _Driver:
+        return _Driver(mod, client, kwargs, url, protocol, key, session_timeout, server, encode_model, pending)
+
     try:
+        if encode_model == FAST_ENCODE_MODEL and not client.is_model_ready(FAST_ENCODE_MODEL):
+            encode_model = "toktier_encode"  # a running `toktier serve`: our stateless model (prefix index)
+            console.print(f"{FAST_ENCODE_MODEL} is not served at {url}: the full re-encode column is "
+                          "toktier_encode (it reuses indexed prefixes)")
         n_turns = sum(len(t) for _, t in sessions)
         columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("turns"), TimeElapsedColumn())
+                   TextColumn("steps"), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True, refresh_per_second=4) as progress:
             # warm-up, untimed but verified: the first requests of each model instance pay lazy setup
             f0, turns0 = sessions[0]
-            warm = _SessionResult("warm-up", len(turns0), len(turns0[-1]), len(refs[0][-1]))
+            turns0 = turns0[:3]
+            warm = _SessionResult("warm-up", len(turns0), len(base) + len(turns0[-1]), 0)
             task = progress.add_task("warm-up", total=len(turns0))
-            _replay_session(mod, client, kwargs, url, protocol, "warmup", f0, turns0, refs[0], session_timeout,
-                            server, warm, progress, task)
+            _replay_session(driver("warmup"), f0, turns0, base, warm, progress, task)
             progress.remove_task(task)
             task = progress.add_task("replaying", total=n_turns * repeat)
             for p in range(repeat):
@@ -380,19 +589,26 @@ def _replay(mod, url, protocol, sessions, reference, console, timeout_s, server,
                     progress.update(task, description=f"session {i}/{len(sessions)}"
                                     + (f" pass {p + 1}/{repeat}" if repeat > 1 else ""))
                     if p == 0:
-                        results.append(_SessionResult(_label(f), len(turns), len(turns[-1]), len(refs[i - 1][-1])))
-                    _replay_session(mod, client, kwargs, url, protocol, f"{i}" + (f"-p{p + 1}" if repeat > 1 else ""),
-                                    f, turns, refs[i - 1], session_timeout, server, results[i - 1], progress, task)
+                        results.append(_SessionResult(_label(f), len(turns), len(base) + len(turns[-1]), 0))
+                    _replay_session(driver(f"{i}" + (f"-p{p + 1}" if repeat > 1 else "")), f, turns, base,
+                                    results[i - 1], progress, task)
+            progress.remove_task(task)
+            if sweep:
+                task = progress.add_task(f"growing a session to {SWEEP_CHARS[-1]:,}+ chars", total=len(SWEEP_CHARS))
+                swept = _sweep(driver("sweep"), sessions, progress, task)
+                progress.remove_task(task)
+            task = progress.add_task("checking every reply against HF", total=len(pending))
+            _check(pending, reference, progress, task)
     finally:
         try:
             client.close()
         except Exception:
             pass
-    return results, warm
+    return results, warm, swept, encode_model
 
 
-def _report(results: list[_SessionResult], warm: _SessionResult, console) -> int:
-    """Print the table and one line per mode. Returns the exit code."""
+def _report(results, warm, sweep, console, base_chars: int, plot_path: Path | None, encode_model: str) -> int:
+    """Print the tables and one line per mode, write the plot. Returns the exit code."""
     from rich.table import Table
 
     def routes(c: Counter) -> str:
@@ -401,33 +617,111 @@ def _report(results: list[_SessionResult], warm: _SessionResult, console) -> int
     def p50(values: list[float]) -> float:
         return _pct(values, 50)
 
-    table = Table(title="served session repair vs served full re-encode: per-turn latency p50, ms (turns after the first)",
-                  caption="; ".join(f"{label} = {what}" for _, label, what in MODES))
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.1f}x" if b > 0 else "–"
+
+    labels = {k: label for k, label, _ in MODES}
+    what = {k: w for k, _, w in MODES}
+    if encode_model != FAST_ENCODE_MODEL:
+        what["encode"] = f"{encode_model} on the whole conversation"
+    table = Table(title=f"served session repair vs served full re-encode on a {base_chars:,}-char base context: "
+                        "per-turn latency p50, ms (turns after the first)",
+                  caption="; ".join(f"{labels[k]} = {what[k]}" for k, *_ in MODES))
     heads = ("session", "turns", "final chars", "final ids", "routes (full text)", "repair full-text",
-             "repair delta+patch", "full re-encode", "re-encode ÷ repair", "mismatches")
+             "repair delta+patch", "full re-encode", "HF encode", "re-encode ÷ full-text",
+             "re-encode ÷ delta", "HF ÷ delta", "mismatches")
     for h in heads:
         left = h in ("session", "routes (full text)")
         table.add_column(h, justify="left" if left else "right", no_wrap=left)
     for r in results:
-        rep, dp, enc = p50(r.ms["full"]), p50(r.ms["delta"]), p50(r.ms["encode"])
+        rep, dp, enc, hf = (p50(r.ms[k]) for k in ("full", "delta", "encode", "hf"))
         bad = sum(r.bad.values())
         table.add_row(r.name, str(r.turns), f"{r.chars:,}", f"{r.tokens:,}", routes(r.routes["full"]),
-                      f"{rep:.3f}", f"{dp:.3f}", f"{enc:.3f}", f"{enc / rep:.2f}x",
-                      str(bad) if bad == 0 else f"[bold red]{bad}[/]")
+                      f"{rep:.3f}", f"{dp:.3f}", f"{enc:.3f}", f"{hf:.1f}", ratio(enc, rep), ratio(enc, dp),
+                      ratio(hf, dp), str(bad) if bad == 0 else f"[bold red]{bad}[/]")
     console.print(table)
     for key, label, _ in MODES:
         later = [x for r in results for x in r.ms[key]]
         first = [x for r in results for x in r.first_ms[key]]
-        line = (f"{label + ':':<19} p50 {_pct(later, 50):7.3f} ms  p90 {_pct(later, 90):7.3f} ms  n={len(later)}"
+        line = (f"{label + ':':<19} p50 {_pct(later, 50):8.3f} ms  p90 {_pct(later, 90):8.3f} ms  n={len(later)}"
                 f"  (first turns p50 {_pct(first, 50):.3f} ms, n={len(first)})")
         if key in ("full", "delta"):
             line += f"  routes {routes(sum((r.routes[key] for r in results), Counter()))}"
-        console.print(line + f"  mismatches {sum(r.bad[key] for r in results)}", highlight=False)
-    replies = sum(len(r.ms[k]) + len(r.first_ms[k]) for r in [*results, warm] for k, *_ in MODES)
-    total_bad = sum(sum(r.bad.values()) for r in [*results, warm])
-    what = f"{replies} served replies checked, {sum(len(warm.ms[k]) + len(warm.first_ms[k]) for k, *_ in MODES)} of them warm-up"
+        if key in SERVED:
+            line += f"  mismatches {sum(r.bad[key] for r in results)}"
+        console.print(line, highlight=False)
+    later = {k: [x for r in results for x in r.ms[k]] for k, *_ in MODES}
+    enc = p50(later["encode"])
+
+    def paired(a: str, b: str) -> str:  # median over turns of a/b, each pair timed back to back
+        v = [x / y for x, y in zip(later[a], later[b]) if y > 0]
+        return f"{np.median(v):.1f}x" if v else "–"
+
+    console.print(f"served full re-encode ÷ served repair (ratio of the p50s; median of the per-turn ratios): "
+                  f"full-text {ratio(enc, p50(later['full']))}; {paired('encode', 'full')}, delta+patch "
+                  f"{ratio(enc, p50(later['delta']))}; {paired('encode', 'delta')}; HF encode ÷ delta+patch "
+                  f"{ratio(p50(later['hf']), p50(later['delta']))}", highlight=False)
+
+    sweep_bad = 0
+    if sweep is not None:
+        points, (sweep_bad,) = sweep
+        t = Table(title=f"one session grown from {SWEEP_CHARS[0]:,} to {points[-1].chars:,} chars: per-turn "
+                        f"latency, median of {SWEEP_TURNS} real turns, ms")
+        for h in ("context chars", "repair delta+patch", "repair full-text", "full re-encode", "HF encode",
+                  "re-encode ÷ delta"):
+            t.add_column(h, justify="right")
+        for pt in points:
+            d, f, e, h = (p50(pt.ms[k]) for k in ("delta", "full", "encode", "hf"))
+            t.add_row(f"{pt.chars:,}", f"{d:.3f}", f"{f:.3f}", f"{e:.3f}", f"{h:.1f}", ratio(e, d))
+        console.print(t)
+        if plot_path is not None:
+            try:
+                _plot(points, plot_path, encode_model)
+                console.print(f"plot: {plot_path}", highlight=False)
+            except ImportError as e:
+                console.print(f"no plot ({e}); pip install matplotlib")
+    replies = sum(len(r.ms[k]) + len(r.first_ms[k]) for r in [*results, warm] for k in SERVED)
+    if sweep is not None:
+        replies += len(sweep[0]) * (SWEEP_TURNS + 1) * len(SERVED)
+    total_bad = sum(sum(r.bad.values()) for r in [*results, warm]) + sweep_bad
+    n_warm = sum(len(warm.ms[k]) + len(warm.first_ms[k]) for k in SERVED)
+    what = f"{replies} served replies checked, {n_warm} of them warm-up"
     if total_bad == 0:
         console.print(f"[bold green]0 mismatches[/] against the HF reference ({what})")
         return EXIT_OK
     console.print(f"[bold red]{total_bad} MISMATCHES[/] against the HF reference ({what})")
     return EXIT_MISMATCH
+
+
+def _plot(points: list[_SweepPoint], path: Path, encode_model: str) -> None:
+    """Latency (ms, log) vs session context (chars, log) per mode, to ``path`` (PNG).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    xs = [p.chars for p in points]
+    style = {"delta": ("tab:green", "o-"), "full": ("tab:olive", "s-"), "encode": ("tab:blue", "^-"),
+             "hf": ("tab:red", "v--")}
+    labels = {"delta": "served repair, delta+patch (toktier_session)",
+              "full": "served repair, full text (toktier_session)",
+              "encode": f"served full re-encode ({encode_model})", "hf": "HF tokenizers encode (in process)"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for key in ("delta", "full", "encode", "hf"):
+        color, fmt = style[key]
+        ax.plot(xs, [float(np.median(p.ms[key])) for p in points], fmt, color=color, label=labels[key])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("session context (chars)")
+    ax.set_ylabel(f"latency per turn (ms, median of {SWEEP_TURNS})")
+    ax.set_title("one agent session grown turn by turn: latency per turn vs context")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -68,26 +68,71 @@ def _triton_children() -> list[int]:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_demo_served_one_session(tmp_path, protocol):
-    """The CLI as a user runs it, on one bundled trajectory: 0 mismatches, exit 0, server stopped."""
+    """The CLI as a user runs it, on one bundled trajectory over a 100K-char base context: the final text's
+    length and id count in the table are HF's, 0 mismatches, exit 0, server stopped; over gRPC the
+    10K-to-1M-char sweep runs and writes the PNG."""
     _need_serving_deps()
+    import tokenizers
+
+    from toktier_backend.demo import SWEEP_CHARS, SWEEP_TURNS, base_context
+
     sessions = _one_session(tmp_path)
-    n_turns = len(load_turns(next(sessions.glob("*.traj"))))
-    cmd = _demo_cmd("--sessions", str(sessions), "--tokenizer", str(BUNDLED), "--protocol", protocol)
+    turns = load_turns(next(sessions.glob("*.traj")))
+    n_turns = len(turns)
+    plot = tmp_path / "out" / "latency.png"
+    cmd = _demo_cmd("--sessions", str(sessions), "--tokenizer", str(BUNDLED), "--protocol", protocol,
+                    "--context-chars", "100000", *(("--plot", str(plot)) if protocol == "grpc" else ("--no-plot",)))
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "0 mismatches against the HF reference" in out, out
     assert "MISMATCH" not in out and "server failure" not in out, out
-    assert "served session repair vs served full re-encode" in out, out
-    # every turn went through all three modes, and the session repaired by appending after the first turn
+    assert "served session repair vs served full re-encode on a " in out, out
+
+    # the replayed text is base + turn; its length and HF's id count are in the session's row
+    base = base_context(100_000)
+    assert 80_000 < len(base) <= 100_000 and base.endswith("<|im_end|>\n")
+    assert f"each on a base context of {len(base):,} chars" in out, out
+    final = base + turns[-1]
+    want = tokenizers.Tokenizer.from_file(str(BUNDLED)).encode(final).ids
+    row = next(x for x in out.splitlines() if f" {len(final):,} " in x)
+    assert f" {len(want):,} " in row, (len(want), row)
+
+    # every turn went through all three served modes and HF, and the session repaired by appending
     for label in ("repair full-text:", "repair delta+patch:", "full re-encode:"):
         line = next(x for x in out.splitlines() if x.startswith(label))
         assert f"n={n_turns - 1} " in line and line.rstrip().endswith("mismatches 0"), line
+    hf_line = next(x for x in out.splitlines() if x.startswith("HF encode:"))
+    assert f"n={n_turns - 1} " in hf_line, hf_line
     assert f"routes append:{n_turns - 1} full:1" in out, out
+    assert "toktier_encode_fast" in out, out  # the plain stateless model is the full re-encode
+    sweep_replies = len(SWEEP_CHARS) * (1 + SWEEP_TURNS) * 3 if protocol == "grpc" else 0  # (growth + turns) x modes
+    warm = 3 * 3
+    assert f"({3 * n_turns + warm + sweep_replies} served replies checked, {warm} of them warm-up)" in out, out
+    if protocol == "grpc":
+        assert f"one session grown from {SWEEP_CHARS[0]:,} to " in out, out
+        assert f"plot: {plot}" in out, out
+        data = plot.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    else:
+        assert "plot:" not in out and not plot.exists()
     assert "ready in" in out and f": {protocol} 127.0.0.1:" in out, out
     triton_pid = int(re.search(r"tritonserver pid (\d+) ready", out).group(1))
     assert "tritonserver stopped (exit code 0)" in out, out
     assert _gone(triton_pid)
+
+
+def test_base_context_is_whole_messages_of_the_bundled_sessions():
+    """The base context: the bundled trajectories' final texts, concatenated and repeated, cut back to the end
+    of a message, at most the size asked."""
+    from toktier_backend.demo import base_context
+
+    finals = "".join(load_turns(f)[-1] for f in trajectory_files(None))
+    for n in (50_000, 400_000):
+        b = base_context(n)
+        assert len(b) <= n and n - len(b) < 20_000 and b.endswith("<|im_end|>\n")
+        assert b == (finals * (n // len(finals) + 1))[: len(b)]
+    assert base_context(0) == ""
 
 
 def test_demo_counts_mismatches(native, monkeypatch):
@@ -123,7 +168,8 @@ def test_demo_counts_mismatches(native, monkeypatch):
     monkeypatch.setattr(tokenizers, "Tokenizer", WrongOnLongTexts)
     buf = io.StringIO()
     folder = min(trajectory_files(None), key=lambda f: f.stat().st_size).parent
-    code = run_served(str(BUNDLED), str(folder), url=native.grpc_url, console=Console(file=buf, width=220))
+    code = run_served(str(BUNDLED), str(folder), url=native.grpc_url, console=Console(file=buf, width=220),
+                      context_chars=20_000, plot=None)
     out = buf.getvalue()
     assert code == EXIT_MISMATCH, out
     assert "MISMATCHES against the HF reference" in out, out

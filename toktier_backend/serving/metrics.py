@@ -168,6 +168,16 @@ class Metrics:
         self._explicit_pool_stats = pool_stats is not None
         self.pool_stats = pool_stats or _shared_pool_stats
         self._pool_next = 0.0  # pool stats cost percentiles over a window: refreshed at most once a second
+        self._children: dict[tuple, Any] = {}  # (id(metric), label values) -> child, see _child
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once per label tuple: ``labels`` validates the values and takes
+        the metric's lock on every call, and a child never changes once created (nothing here removes one)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # ------------------------------------------------------------ recording
 
@@ -184,19 +194,19 @@ class Metrics:
     def observe_reply(self, origin: Origin, mode: str, route: str, seconds: float, repair: Any = None) -> None:
         """One successful request: route/mode count, latency, and what the repair did (``RepairInfo``)."""
         f, m = origin.face, origin.model
-        self.requests.labels(f, m, route, mode).inc()
-        self.latency.labels(f, m, route).observe(seconds)
+        self._child(self.requests, f, m, route, mode).inc()
+        self._child(self.latency, f, m, route).observe(seconds)
         if repair is None:
             return
         if route in FAST_ROUTES and getattr(repair, "departure", 0) > 0:
-            self.widenings.labels(f, m).observe(int(repair.widenings))
+            self._child(self.widenings, f, m).observe(int(repair.widenings))
         reason = getattr(repair, "fallback", "")
         if reason:
-            self.fallbacks.labels(f, m, reason).inc()
+            self._child(self.fallbacks, f, m, reason).inc()
         if repair.reused:
-            self.tokens.labels(f, m, "reused").inc(int(repair.reused))
+            self._child(self.tokens, f, m, "reused").inc(int(repair.reused))
         if repair.reencoded:
-            self.tokens.labels(f, m, "reencoded").inc(int(repair.reencoded))
+            self._child(self.tokens, f, m, "reencoded").inc(int(repair.reencoded))
 
     def observe_encode_route(self, origin: Origin, route: str) -> None:
         """One stateless encode served on ``route`` (``gpu`` or a ``cpu_*`` reason; see the module docstring)."""
@@ -228,20 +238,20 @@ class Metrics:
         ``pool.stats()`` when given, else the ``pool_stats`` callable)."""
         f, m = origin.face, origin.model
         if store is not None:
-            self.sessions.labels(f, m).set(len(store))
-            self.session_bytes.labels(f, m).set(store.nbytes)
-            self.session_budget.labels(f, m).set(store.max_bytes or 0)
+            self._child(self.sessions, f, m).set(len(store))
+            self._child(self.session_bytes, f, m).set(store.nbytes)
+            self._child(self.session_budget, f, m).set(store.max_bytes or 0)
         if verifier is not None:
-            self.verifier_queue.labels(f, m).set(verifier.queue_depth)
+            self._child(self.verifier_queue, f, m).set(verifier.queue_depth)
         if dropped_delta:
-            self.verifier_dropped.labels(f, m).inc(dropped_delta)
+            self._child(self.verifier_dropped, f, m).inc(dropped_delta)
         if tokenizer is not None:
             q = getattr(tokenizer, "quarantined", {})
             for route in FAST_ROUTES:
-                self.quarantined.labels(f, m, route).set(1 if route in q else 0)
+                self._child(self.quarantined, f, m, route).set(1 if route in q else 0)
             idx = getattr(tokenizer, "prefix_index", None)
             if idx is not None:
-                self.prefix_index_bytes.labels(f, m).set(getattr(idx, "nbytes", 0))
+                self._child(self.prefix_index_bytes, f, m).set(getattr(idx, "nbytes", 0))
         self._set_pool(origin, pool)
 
     def _set_pool(self, origin: Origin, pool: Any = None) -> None:
