@@ -176,8 +176,10 @@ class Handler:
 
         pool = runtime_pool.configure_shared_pool(num("pool_workers", "0") or None, express=num("pool_express", "1"),
                                               nice=num("pool_nice", "0"), pin=num("pool_pin", "1") != 0)
+        from toktier_backend.faces.parameters import tokenizer_spec
+
         handler = cls.from_spec(
-            params.get("tokenizer", "default"),
+            tokenizer_spec(params, ("tokenizer",), model=model),
             sha256=(params.get("tokenizer_sha256") or "").strip() or None,
             engine=(params.get("engine") or "auto").strip(),
             max_text_bytes=num("max_text_bytes", str(DEFAULT_MAX_TEXT_BYTES)),
