@@ -127,3 +127,26 @@ def derived_file(tokenizer_path: str | Path, version: str) -> Path:
         shutil.copyfile(cfg_path, folder / "tokenizer_config.json")
         os.replace(tmp, out)
     return out
+
+
+_OFFSET_ONLY_KEYS = ("trim_offsets",)
+"""Keys read only when offsets are computed (``tokenizers``' ByteLevel reads ``trim_offsets`` in its
+post-processing of offsets, never when splitting or assigning ids)."""
+
+
+def id_pipeline(serialized: str) -> dict[str, Any]:
+    """The parts of a serialized ``tokenizers`` pipeline that decide ids: everything but the ``decoder`` (used
+    only by decode) and the offset-only keys (:data:`_OFFSET_ONLY_KEYS`), at any depth. Two pipelines with
+    equal ``id_pipeline`` give the same ids for every text and flag: transformers 5 rebuilding Qwen's
+    ``tokenizer.json`` with ``trim_offsets`` flipped in its ByteLevel pre-tokenizer and decoder is such a pair."""
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in _OFFSET_ONLY_KEYS}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    data = json.loads(serialized)
+    data.pop("decoder", None)
+    return strip(data)

@@ -177,7 +177,7 @@ class PreprocessingHandler:
         ``tokenizer_dir`` is filled in; neither: :class:`UnsupportedTokenizer`, see
         :func:`toktier_backend.faces.parameters.tokenizer_spec`), ``hf_compat`` (the transformers version
         whose ``AutoTokenizer`` ids to match, default ``4.57``: :mod:`toktier_backend.faces.hf_compat`),
-        ``add_special_tokens``, ``eos_token``, ``pad_token``,
+        ``engine`` (``auto``, ``hf`` or a fast engine name), ``add_special_tokens``, ``eos_token``, ``pad_token``,
         ``max_text_bytes``, and the session cache's ``max_sessions``, ``session_ttl_s``."""
         spec = tokenizer_spec(params, trtllm_config.TOKENIZER_KEYS, model="preprocessing")
         if not is_unfilled(params.get("multimodal_model_path")):
@@ -190,7 +190,9 @@ class PreprocessingHandler:
 
         path = tt.default_tokenizer_path() if spec == DEFAULT_TOKENIZER else resolve_path(spec)
         compat = (params.get("hf_compat") or "").strip()
-        tok = tt.load_tokenizer(hf_compat.derived_file(path, "4.57" if is_unfilled(compat) else compat))
+        engine = (params.get("engine") or "").strip()
+        tok = tt.load_tokenizer(hf_compat.derived_file(path, "4.57" if is_unfilled(compat) else compat),
+                                engine="auto" if is_unfilled(engine) else engine)
 
         def opt(key: str) -> str | None:
             v = (params.get(key) or "").strip()
