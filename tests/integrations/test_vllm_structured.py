@@ -51,14 +51,20 @@ def test_copies_and_pickles_share_one_load(hf_folder, monkeypatch):
     assert calls == []
 
 
-def test_offset_only_rebuild_keeps_the_model_file(hf_folder):
-    """transformers 5 rebuilds Qwen's pipeline with trim_offsets flipped (pre-tokenizer and decoder): the ids
-    are the same, so the model's own tokenizer.json is encoded (its sha256 keys the shipped guard tables)."""
+def test_offset_only_rebuild_keeps_the_model_file(tmp_path):
+    """transformers 5 rebuilds Qwen's pipeline (``tokenizer_class: Qwen2Tokenizer``) with trim_offsets flipped
+    (pre-tokenizer and decoder): the ids are the same, so the model's own tokenizer.json is encoded (its
+    sha256 keys the shipped guard tables)."""
+    require("transformers")
     from toktier_backend.faces.hf_compat import id_pipeline
-    from toktier_backend.faces.vllm_tokenizer import _backend_file
+    from toktier_backend.faces.vllm_tokenizer import TokTierTokenizer, _backend_file
 
-    folder = hf_folder("qwen3")
-    tok = _tok(hf_folder, "qwen3")
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    (folder / "tokenizer.json").symlink_to(tokenizer_file("qwen3"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    tok = TokTierTokenizer.from_pretrained(str(folder))
     serialized = tok.hf.backend_tokenizer.to_str()
     on_disk = tokenizer_file("qwen3").read_text()
     assert id_pipeline(serialized) == id_pipeline(on_disk)
@@ -66,6 +72,7 @@ def test_offset_only_rebuild_keeps_the_model_file(hf_folder):
     import tokenizers
 
     assert serialized != tokenizers.Tokenizer.from_file(str(tokenizer_file("qwen3"))).to_str()  # rebuilt: differs
+    assert tok.core.path == folder / "tokenizer.json" and tok.encode("hello world") == hf_ids("qwen3", "hello world")
 
 
 def test_id_pipeline_keeps_what_decides_ids():

@@ -4,11 +4,11 @@ Builds a tiny random-weight Qwen3 model (transformers, head size 32) with the sh
 and a ChatML template in a temp dir, then, for ``tokenizer_mode`` ``hf`` and ``toktier``:
 
 - offline ``LLM``: prompt ids equal HF ``Tokenizer.from_file(path).encode(text).ids`` for a set of texts;
-  ``llm.chat`` prompt ids equal HF on the rendered template; ``truncate_prompt_tokens`` keeps the last k of
-  HF's ids; structured outputs (``choice``) with each backend (xgrammar, guidance, outlines) return one of
+  ``llm.chat`` prompt ids equal HF on the rendered template; structured outputs (``choice``) with each backend (xgrammar, guidance, outlines) return one of
   the choices; a resent, grown prompt still equals HF (the toktier session path);
 - OpenAI server (``python -m vllm.entrypoints.openai.api_server``): chat (prompt token count equals HF on the
-  rendered chat), streaming, ``response_format`` json_schema (parses as the schema's object).
+  rendered chat), streaming, ``response_format`` json_schema (parses as the schema's object), ``/tokenize``
+  ids equal HF, ``truncate_prompt_tokens`` keeps the last k of HF's ids.
 
 Prints one ``PASS``/``FAIL`` line per check and a closing ``N passed, M failed`` line; exit 1 on any failure.
 """
@@ -85,9 +85,6 @@ def offline(model_dir: Path, mode: str) -> None:
             out = llm.chat(msgs, sp)[0]
             check(f"{mode} chat prompt ids", list(out.prompt_token_ids) == hf_ids(rendered, False),
                   f"{list(out.prompt_token_ids)[:8]}")
-            long = " ".join(f"word{i}" for i in range(300))
-            out = llm.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=16))[0]
-            check(f"{mode} truncate_prompt_tokens=16", list(out.prompt_token_ids) == hf_ids(long)[-16:])
             base = "agent transcript " * 200
             for i in range(3):  # a resent, growing prompt: the session path in toktier mode
                 base += f" turn {i}: some tool output 1234{i}\n"
@@ -165,6 +162,15 @@ def server(model_dir: Path, mode: str, log: Path) -> None:
         r = post(base + "/v1/completions", {"model": str(model_dir), "prompt": TEXTS[2], "max_tokens": 1,
                                             "echo": False, "temperature": 0})
         check(f"{mode} server completion prompt_tokens", r["usage"]["prompt_tokens"] == len(hf_ids(TEXTS[2])))
+        for text in TEXTS:
+            r = post(base + "/tokenize", {"model": str(model_dir), "prompt": text})
+            check(f"{mode} server /tokenize {text[:20]!r}", r["tokens"] == hf_ids(text), str(r.get("tokens"))[:200])
+        long = " ".join(f"word{i}" for i in range(300))
+        r = post(base + "/v1/completions", {"model": str(model_dir), "prompt": long, "max_tokens": 1,
+                                            "temperature": 0, "truncate_prompt_tokens": 16, "return_token_ids": True})
+        got = r["choices"][0].get("prompt_token_ids")
+        check(f"{mode} server truncate_prompt_tokens=16", got == hf_ids(long)[-16:] if got is not None
+              else r["usage"]["prompt_tokens"] == 16, str(got)[:200])
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
