@@ -160,7 +160,8 @@ class Handler:
             device_id: Triton's ``model_instance_device_id`` (the CUDA device of a GPU instance).
 
         Raises:
-            tt.UnsupportedTokenizer: the file cannot be served; the model then fails to load.
+            tt.UnsupportedTokenizer: the file cannot be served, or ``tokenizer`` is empty or an unfilled
+                ``${...}`` (the bundled GPT-2 file only as ``default``); the model then fails to load.
             ValueError: a parameter is not a number where one is needed, ``gpu_engine`` is not ``auto`` /
                 ``off``, or ``long_text_strategy`` not ``auto`` / ``chunks`` / ``whole`` (names the
                 parameter). A GPU engine that cannot load never raises: it is logged and
@@ -174,12 +175,13 @@ class Handler:
             except ValueError:
                 raise ValueError(f"model parameter {key}={raw!r} is not a valid {kind.__name__}") from None
 
-        pool = runtime_pool.configure_shared_pool(num("pool_workers", "0") or None, express=num("pool_express", "1"),
-                                              nice=num("pool_nice", "0"), pin=num("pool_pin", "1") != 0)
         from toktier_backend.faces.parameters import tokenizer_spec
 
+        spec = tokenizer_spec(params, ("tokenizer",), model=model)  # unfilled/empty: refuse before any work
+        pool = runtime_pool.configure_shared_pool(num("pool_workers", "0") or None, express=num("pool_express", "1"),
+                                              nice=num("pool_nice", "0"), pin=num("pool_pin", "1") != 0)
         handler = cls.from_spec(
-            tokenizer_spec(params, ("tokenizer",), model=model),
+            spec,
             sha256=(params.get("tokenizer_sha256") or "").strip() or None,
             engine=(params.get("engine") or "auto").strip(),
             max_text_bytes=num("max_text_bytes", str(DEFAULT_MAX_TEXT_BYTES)),
