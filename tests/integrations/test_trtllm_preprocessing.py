@@ -189,15 +189,24 @@ def test_unit_no_eos_needs_end_id():
     assert out["INPUT_ID"].tolist() == [hf_ids("qwen3", "x")]
 
 
-def test_config_pbtxt_matches_the_contract():
-    """Our config parses as Triton's ModelConfig, with the original's tensor names, dtypes and dims."""
-    require("tritonclient.grpc", "serve")
+def _parse_config(text: str):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as pb
 
+    return text_format.Parse(text, pb.ModelConfig())
+
+
+def test_config_pbtxt_matches_the_contract():
+    """Our config, filled as ``toktier serve`` fills it, parses as Triton's ModelConfig, with the original's
+    tensor names, dtypes and dims (upstream's current preprocessing/config.pbtxt, text and multimodal inputs)."""
+    require("tritonclient.grpc", "serve")
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    from toktier_backend.faces.trtllm_config import fill_defaults
+
     from .conftest import REPO
 
-    cfg = text_format.Parse((REPO / "model_repository" / "preprocessing" / "config.pbtxt").read_text(), pb.ModelConfig())
+    cfg = _parse_config(fill_defaults((REPO / "model_repository" / "preprocessing" / "config.pbtxt").read_text()))
     dt = pb.DataType.Name
     ins = {i.name: (dt(i.data_type), list(i.dims), i.optional) for i in cfg.input}
     outs = {o.name: (dt(o.data_type), list(o.dims)) for o in cfg.output}
@@ -206,7 +215,9 @@ def test_config_pbtxt_matches_the_contract():
         "REQUEST_OUTPUT_LEN": ("TYPE_INT32", [1], False), "BAD_WORDS_DICT": ("TYPE_STRING", [-1], True),
         "STOP_WORDS_DICT": ("TYPE_STRING", [-1], True), "EMBEDDING_BIAS_WORDS": ("TYPE_STRING", [-1], True),
         "EMBEDDING_BIAS_WEIGHTS": ("TYPE_FP32", [-1], True), "END_ID": ("TYPE_INT32", [1], True),
-        "PAD_ID": ("TYPE_INT32", [1], True),
+        "PAD_ID": ("TYPE_INT32", [1], True), "PROMPT_TABLE_EXTRA_ID": ("TYPE_UINT64", [1], True),
+        "IMAGE_BYTES": ("TYPE_UINT8", [-1, -1, -1, -1], True), "IMAGE_URL": ("TYPE_STRING", [1], True),
+        "IMAGES": ("TYPE_STRING", [-1], True), "VIDEO_BYTES": ("TYPE_UINT8", [-1, -1, -1, -1], True),
     }
     assert outs == {
         "INPUT_ID": ("TYPE_INT32", [-1]), "REQUEST_INPUT_LEN": ("TYPE_INT32", [1]),
@@ -214,11 +225,159 @@ def test_config_pbtxt_matches_the_contract():
         "BAD_WORDS_IDS": ("TYPE_INT32", [2, -1]), "STOP_WORDS_IDS": ("TYPE_INT32", [2, -1]),
         "EMBEDDING_BIAS": ("TYPE_FP32", [-1]), "REQUEST_OUTPUT_LEN": ("TYPE_INT32", [-1]),
         "OUT_END_ID": ("TYPE_INT32", [1]), "OUT_PAD_ID": ("TYPE_INT32", [1]),
+        "OUT_PROMPT_TABLE_EXTRA_IDS": ("TYPE_UINT64", [-1]),
         "ROUTE": ("TYPE_STRING", [1]), "KEEP": ("TYPE_INT32", [1]),  # ours, extra
     }
-    assert cfg.max_batch_size >= 64 and cfg.WhichOneof("scheduling_choice") == "dynamic_batching"
-    assert cfg.parameters["tokenizer"].string_value == "default"
-    assert cfg.parameters["tokenizer_dir"].string_value == "${tokenizer_dir}"  # fill_template.py still works
+    assert cfg.max_batch_size == 256 and list(cfg.dynamic_batching.preferred_batch_size) == [256]
+    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 0
+    assert [g.count for g in cfg.instance_group] == [1]
+    assert cfg.parameters["tokenizer"].string_value == "${tokenizer}"  # no default: refused unfilled
+    assert cfg.parameters["tokenizer_dir"].string_value == "${tokenizer_dir}"
+
+
+# ---------------------------------------------------------------- TensorRT-LLM's setup command
+
+
+def fill_template(path, substitutions: str) -> str:
+    """What TensorRT-LLM's ``tools/fill_template.py FILE key:value,...`` prints (written here from its
+    behaviour): ``,`` and ``:`` split pairs (a backslash escapes the next char), each key must occur in the
+    file (else ``AssertionError: key ... does not exist``), ``max_queue_size`` and
+    ``max_queue_delay_microseconds`` default to 0, then ``string.Template.safe_substitute``."""
+    import string
+
+    def split(text, sep):
+        out, cur, esc = [], "", False
+        for ch in text:
+            if esc:
+                cur, esc = cur + ch, False
+            elif ch == sep:
+                out.append(cur)
+                cur = ""
+            elif ch == "\\":
+                esc = True
+            else:
+                cur += ch
+        return out + [cur]
+
+    template = string.Template(open(path).read())
+    values = {"max_queue_size": 0, "max_queue_delay_microseconds": 0}
+    for pair in split(substitutions, ","):
+        key, value = split(pair, ":")
+        values[key] = value
+        assert key in template.template, f"key '{key}' does not exist in the file {path}."
+    return template.safe_substitute(values)
+
+
+@pytest.mark.parametrize("batch", [64, 512])
+def test_fill_template_documented_command_fills_our_config(tmp_path, hf_folder, batch):
+    """The documented setup command fills ours completely (every structural key; the model then loads on the
+    filled tokenizer_dir), and triton_max_batch_size drives max_batch_size and the preferred batch size."""
+    require("tritonclient.grpc", "serve")
+    from toktier_backend.faces import triton_io
+    from toktier_backend.faces.trtllm import PreprocessingHandler
+    from toktier_backend.faces.trtllm_config import template_keys
+
+    from .conftest import REPO
+
+    folder = hf_folder("llama3_1")
+    src = REPO / "model_repository" / "preprocessing" / "config.pbtxt"
+    text = fill_template(src, f"tokenizer_dir:{folder},triton_max_batch_size:{batch},preprocessing_instance_count:1")
+    cfg = _parse_config(text)
+    assert cfg.max_batch_size == batch and list(cfg.dynamic_batching.preferred_batch_size) == [batch]
+    assert cfg.dynamic_batching.max_queue_delay_microseconds == 0 and [g.count for g in cfg.instance_group] == [1]
+    # left: only parameter values, each with a documented meaning when unfilled
+    assert template_keys(text) == {"tokenizer", "add_special_tokens", "multimodal_model_path", "engine_dir",
+                                   "max_num_images", "hf_model_path"}
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params["tokenizer_dir"] == str(folder)
+    handler = PreprocessingHandler.from_parameters(triton_io.model_parameters(
+        {"parameters": {k: {"string_value": v} for k, v in params.items()}}))
+    out = handler.execute({"QUERY": _obj([["hello world"]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32)})
+    assert out["INPUT_ID"].tolist() == [hf_ids("llama3_1", "hello world")]  # add_special_tokens unfilled: true
+    assert out["INPUT_ID"][0, 0] == 128000
+
+
+def test_fill_template_upstream_keys_all_exist():
+    """Every key TensorRT-LLM's docs pass for preprocessing exists in ours (fill_template asserts it)."""
+    from .conftest import REPO
+
+    src = REPO / "model_repository" / "preprocessing" / "config.pbtxt"
+    fill_template(src, "tokenizer_dir:/x,triton_max_batch_size:8,preprocessing_instance_count:2,"
+                       "max_queue_delay_microseconds:100,max_queue_size:4,add_special_tokens:false,"
+                       "multimodal_model_path:,engine_dir:/e,max_num_images:1,hf_model_path:/h")
+    with pytest.raises(AssertionError, match="does not exist"):  # the helper is the real check
+        fill_template(src, "no_such_key:1")
+
+
+@pytest.mark.parametrize("params", [
+    {"tokenizer": "${tokenizer}", "tokenizer_dir": "${tokenizer_dir}"},
+    {"tokenizer": "", "tokenizer_dir": ""},
+    {},
+])
+def test_unfilled_tokenizer_refuses_to_load(params):
+    from toktier_backend.errors import UnsupportedTokenizer
+    from toktier_backend.faces.trtllm import PreprocessingHandler
+
+    with pytest.raises(UnsupportedTokenizer, match="tokenizer_dir"):
+        PreprocessingHandler.from_parameters(params)
+
+
+def test_tokenizer_parameters_conflict_and_default(hf_folder):
+    from toktier_backend.errors import UnsupportedTokenizer
+    from toktier_backend.faces.trtllm import PreprocessingHandler
+
+    folder = hf_folder("llama3_1")
+    with pytest.raises(UnsupportedTokenizer, match="different tokenizers"):
+        PreprocessingHandler.from_parameters({"tokenizer": "default", "tokenizer_dir": str(folder)})
+    with pytest.raises(UnsupportedTokenizer, match="multimodal"):
+        PreprocessingHandler.from_parameters({"tokenizer_dir": str(folder), "multimodal_model_path": "/m"})
+    h = PreprocessingHandler.from_parameters({"tokenizer": "default", "tokenizer_dir": "${tokenizer_dir}"})
+    out = h.execute({"QUERY": _obj([["hello world"]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32)})
+    assert out["INPUT_ID"].tolist() == [hf_ids("gpt2", "hello world")] == [[31373, 995]]  # named: served
+
+
+@pytest.mark.parametrize("model", ["toktier_session", "toktier_encode"])
+def test_unfilled_tokenizer_refuses_every_model(model):
+    """The shipped toktier_session / toktier_encode configs, unfilled, refuse to load; ``default`` loads."""
+    from toktier_backend.errors import UnsupportedTokenizer
+
+    from ..serving.fake_pb_utils import load_model
+
+    for params in ({}, {"tokenizer": ""}):
+        with pytest.raises(UnsupportedTokenizer, match="'tokenizer'"):
+            load_model(model, parameters={**params, "pool_workers": "1"})
+    m = load_model(model, parameters={"tokenizer": "default", "pool_workers": "1", "verifier_rate": "0",
+                                      "verifier_first_n": "0"})
+    m.finalize()
+
+
+def test_unit_prompt_table_extra_ids_and_multimodal(hf_folder):
+    """OUT_PROMPT_TABLE_EXTRA_IDS as the original computes it: the row's extra id where the id is at or above
+    HF's ``vocab_size`` (without added tokens: llama3_1's BOS 128000 and the pad/eos), else 0."""
+    from toktier_backend.errors import InvalidRequest
+    from toktier_backend.faces.trtllm import PreprocessingHandler
+
+    folder = hf_folder("llama3_1")
+    handler = PreprocessingHandler.from_parameters({"tokenizer_dir": str(folder)})
+    orig = OriginalPreprocessing(folder)
+    vocab_size = orig.tok.vocab_size
+    texts = ["hello world", "a longer prompt<|eot_id|> here"]
+    out = handler.execute({"QUERY": _obj([[t] for t in texts]), "REQUEST_OUTPUT_LEN": np.full((2, 1), 3, np.int32),
+                           "PROMPT_TABLE_EXTRA_ID": np.array([[7], [2**40]], np.uint64)})
+    ids, _ = orig.create_request(texts)
+    want = np.zeros_like(ids, dtype=np.uint64)
+    for i, e in enumerate((7, 2**40)):
+        want[i] = np.where(ids[i] >= vocab_size, e, 0)
+    got = out["OUT_PROMPT_TABLE_EXTRA_IDS"]
+    assert got.dtype == np.uint64 and np.array_equal(got, want) and got[0, 0] == 7 and got[0, 1] == 0
+    assert "OUT_PROMPT_TABLE_EXTRA_IDS" not in handler.execute(
+        {"QUERY": _obj([["x"]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32)})
+    with pytest.raises(InvalidRequest, match="PROMPT_TABLE_EXTRA_ID"):
+        handler.execute({"QUERY": _obj([["x"]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32),
+                         "PROMPT_TABLE_EXTRA_ID": np.array([[1, 2]], np.uint64)})
+    with pytest.raises(InvalidRequest, match=r"IMAGE_URL.*text prompts only"):
+        handler.execute({"QUERY": _obj([["x"]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32),
+                         "IMAGE_URL": _obj([["http://x/y.png"]])})
 
 
 # ---------------------------------------------------------------- L0: the real ensemble
@@ -237,7 +396,8 @@ def _client(server, protocol):
 def _infer(mod, client, model, tensors: dict, **kw):
     inputs = []
     for name, arr in tensors.items():
-        dtype = {np.object_: "BYTES", np.int32: "INT32", np.float32: "FP32"}[arr.dtype.type]
+        dtype = {np.object_: "BYTES", np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64",
+                 np.uint8: "UINT8"}[arr.dtype.type]
         x = mod.InferInput(name, list(arr.shape), dtype)
         x.set_data_from_numpy(arr)
         inputs.append(x)
@@ -408,3 +568,30 @@ def test_ensemble_requests_show_in_toktier_metrics(ensemble_server):
     assert delta(after, "toktier_verifier_samples_total", result="match") == 3
     assert metric(after, "toktier_verifier_samples_total", face="trtllm", result="mismatch") == 0
     assert metric(after, "toktier_quarantined_routes", face="trtllm") == 0
+
+
+@pytest.mark.serving
+def test_ensemble_upstream_mapping_prompt_table_extra_id_and_multimodal(ensemble_server):
+    """The example ensemble wires every preprocessing tensor of TensorRT-LLM's own text-only ensemble
+    (PROMPT_TABLE_EXTRA_ID -> OUT_PROMPT_TABLE_EXTRA_IDS -> tensorrt_llm's prompt_table_extra_ids): it loads
+    with our model in place, and the stand-in receives the tensors the original computes; a multimodal
+    input gets INVALID_ARG."""
+    from tritonclient.utils import InferenceServerException
+
+    mod, client = _client(ensemble_server, "grpc")
+    orig = OriginalPreprocessing(ensemble_server.folder)
+    text = "hello<|eot_id|> world"
+    r = _infer(mod, client, "ensemble", {"text_input": _obj([[text]]), "max_tokens": np.array([[2]], np.int32),
+                                         "prompt_table_extra_id": np.array([[99]], np.uint64)})
+    ids = orig.create_request([text])[0][0]
+    assert r.as_numpy("output_ids").reshape(-1).tolist() == ids.tolist()
+    got = r.as_numpy("echo_prompt_table_extra_ids")
+    assert got.dtype == np.uint64
+    assert got.reshape(-1).tolist() == np.where(ids >= orig.tok.vocab_size, 99, 0).tolist()
+    assert got.reshape(-1).tolist().count(99) == 2  # BOS and <|eot_id|>
+    r = _infer(mod, client, "ensemble", {"text_input": _obj([[text]]), "max_tokens": np.array([[2]], np.int32)})
+    assert r.as_numpy("echo_prompt_table_extra_ids").size == 0  # not sent: not produced (as the original)
+    with pytest.raises(InferenceServerException) as e:
+        _infer(mod, client, "preprocessing", {"QUERY": _obj([["x"]]), "REQUEST_OUTPUT_LEN": np.array([[1]], np.int32),
+                                              "IMAGE_BYTES": np.zeros((1, 1, 2, 2, 3), np.uint8)})
+    assert "INVALID_ARG" in str(e.value.status()) and "text prompts only" in str(e.value)

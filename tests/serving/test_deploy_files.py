@@ -44,7 +44,7 @@ def test_model_config_parses(model):
     cfg = text_format.Parse((REPO / "model_repository" / model / "config.pbtxt").read_text(), pb.ModelConfig())
     assert cfg.name == model and cfg.backend == "python" and cfg.max_batch_size > 0
     assert (REPO / "model_repository" / model / "1" / "model.py").is_file()
-    assert cfg.parameters["tokenizer"].string_value == "default"
+    assert cfg.parameters["tokenizer"].string_value == "${tokenizer}"  # no default: refused unfilled
     assert int(cfg.parameters["max_text_bytes"].string_value) > 0
     names = {i.name for i in cfg.input}
     assert {"TEXT", "ADD_SPECIAL_TOKENS"} <= names
@@ -69,6 +69,15 @@ def test_prepare_repository_substitutes(tmp_path):
     assert f'string_value: "{tok.resolve()}"' in text
     assert 'string_value: "1234"' in text and "max_sequence_idle_microseconds: 2500000" in text
     assert f'string_value: "{tok.resolve()}"' in (dst / "toktier_encode" / "config.pbtxt").read_text()
+    # preprocessing: TensorRT-LLM's template keys filled with the documented defaults, the tokenizer ours
+    from tritonclient.grpc import model_config_pb2 as pb
+    from google.protobuf import text_format
+
+    pre = text_format.Parse((dst / "preprocessing" / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert pre.max_batch_size == 256 and [g.count for g in pre.instance_group] == [1]
+    assert pre.parameters["tokenizer"].string_value == str(tok.resolve())
+    assert pre.parameters["tokenizer_dir"].string_value == "${tokenizer_dir}"
+    assert pre.parameters["add_special_tokens"].string_value == "true"
 
 
 def test_docker_compose_fleet():

@@ -161,6 +161,10 @@ def prepare_repository(
         spec = str(Path(spec).resolve())
     for config_path in sorted(dst.glob("*/config.pbtxt")):
         text = config_path.read_text()
+        if config_path.parent.name == "preprocessing":  # TensorRT-LLM's template keys left unfilled
+            from toktier_backend.faces.trtllm_config import fill_defaults
+
+            text = fill_defaults(text)
         if '"tokenizer"' in text:
             text = _set_parameter(text, "tokenizer", spec)
         if max_text_bytes is not None and '"max_text_bytes"' in text:

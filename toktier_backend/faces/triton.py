@@ -133,10 +133,14 @@ class Handler:
             models: the models to register (default: ``(model,)``; PyTriton binds both).
 
         Raises:
-            tt.UnsupportedTokenizer: the file cannot be served; the model then fails to load.
+            tt.UnsupportedTokenizer: the file cannot be served, or ``tokenizer`` is empty or an unfilled
+                ``${...}`` (the bundled GPT-2 file only as ``default``); the model then fails to load.
             ValueError: a parameter is malformed (names it). A GPU engine that cannot load never raises:
                 it is logged and counted, and the instance serves from the CPU.
         """
+        from toktier_backend.faces.parameters import tokenizer_spec
+
+        tokenizer_spec(params, ("tokenizer",), model=model)  # unfilled/empty: refuse before any work
         models = models or (model,)
         config = CoreConfig.from_parameters(params, session_ttl_s=session_ttl_s)
         gpu = model == ENCODE_MODEL and str(instance_kind).upper() == "GPU"

@@ -14,6 +14,8 @@ Inputs (batch dimension first; one request may carry ``b`` rows):
     STOP_WORDS_DICT        TYPE_STRING [b, n]   optional
     EMBEDDING_BIAS_WORDS   TYPE_STRING [b, n]   optional, with EMBEDDING_BIAS_WEIGHTS TYPE_FP32 [b, n]
     END_ID, PAD_ID         TYPE_INT32  [b, 1]   optional: default the tokenizer's eos / pad id
+    PROMPT_TABLE_EXTRA_ID  TYPE_UINT64 [b, 1]   optional (p-tuning KV-cache reuse)
+    IMAGE_BYTES, IMAGE_URL, IMAGES, VIDEO_BYTES  optional, refused (InvalidRequest): text prompts only
 Outputs:
     INPUT_ID                  TYPE_INT32 [b, L]    HF ``encode(query, add_special_tokens=flag).ids``, right-padded
                                                    to the longest row with the tokenizer's pad id
@@ -25,6 +27,8 @@ Outputs:
     EMBEDDING_BIAS            TYPE_FP32  [b, V]    bias per vocab id (``[b, 0]`` without words)
     REQUEST_OUTPUT_LEN        TYPE_INT32 [b, 1]    the input, unchanged
     OUT_END_ID, OUT_PAD_ID    TYPE_INT32 [b, 1]
+    OUT_PROMPT_TABLE_EXTRA_IDS TYPE_UINT64 [b, L]  only with PROMPT_TABLE_EXTRA_ID: the row's extra id where
+                                                   ``INPUT_ID >= vocab_size`` (without added tokens), else 0
     ROUTE                     TYPE_STRING [b, 1]   ours, not in the original: the repair route (``new``, ``append``,
                                                    ``edit``, ``noop``, ``full``, ``reference``, ``busy``; ``encode``
                                                    without a session), as ``toktier_session`` reports it
@@ -59,12 +63,14 @@ from toktier_backend.config import parse_bool, special_tokens
 from toktier_backend.errors import InvalidRequest, ToktierError, UnsupportedTokenizer
 from toktier_backend.serving.core import CoreConfig, ServingCore
 from toktier_backend.serving.metrics import Origin
-from toktier_backend.tokenizer import Tokenizer, default_tokenizer_path
+from toktier_backend.tokenizer import Tokenizer, default_tokenizer_path, load_tokenizer
+from toktier_backend.faces import trtllm_config
+from toktier_backend.faces.parameters import DEFAULT_TOKENIZER, is_unfilled, tokenizer_spec
 
 INPUTS = (
     "QUERY", "REQUEST_OUTPUT_LEN", "DECODER_QUERY", "BAD_WORDS_DICT", "STOP_WORDS_DICT",
     "EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS", "END_ID", "PAD_ID",
-)
+) + trtllm_config.EXTRA_INPUTS
 ENSEMBLE_EXAMPLE_REPOSITORY = Path(__file__).resolve().parent / "trtllm_ensemble"
 """The example repository served by ``toktier serve --with-ensemble``: ``ensemble`` (TensorRT-LLM's input names
 and step-1 mapping) and ``tensorrt_llm``, a CPU stand-in that echoes what it receives."""
@@ -73,6 +79,8 @@ OUTPUTS = (
     "INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN", "BAD_WORDS_IDS",
     "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID",
 )
+OPTIONAL_OUTPUTS = ("OUT_PROMPT_TABLE_EXTRA_IDS",)
+"""Present only when the request sends ``PROMPT_TABLE_EXTRA_ID`` (as the original)."""
 DIAGNOSTIC_OUTPUTS = ("ROUTE", "KEEP")
 
 FACE = "trtllm"
@@ -123,33 +131,45 @@ class PreprocessingHandler:
         self.end_id = self._first_id(eos, "eos_token")
         self.pad_id = self._first_id(pad, "pad_token")
         self.vocab_size = len(self.tokenizer.reference.get_vocab(with_added_tokens=True))
+        # HF ``tokenizer.vocab_size`` (without added tokens): ids at or above it are prompt-table ids
+        self.base_vocab_size = int(self.tokenizer.reference.get_vocab_size(with_added_tokens=False))
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], **kwargs: Any) -> "PreprocessingHandler":
         """Build from a model config's ``parameters``: ``tokenizer`` (``toktier serve`` substitutes it) or
         TensorRT-LLM's ``tokenizer_dir`` (used when ``tokenizer`` is unset or ``default`` and
-        ``tokenizer_dir`` is filled in), ``add_special_tokens`` (``config.parse_bool``), ``eos_token``,
-        ``pad_token``, and the serving core's (``CoreConfig.from_parameters``: ``max_text_bytes``,
-        ``max_sessions``, ``session_ttl_s``, ``session_budget_bytes``, ``verifier_rate``, ``quarantine_file``,
-        ...).
+        ``tokenizer_dir`` is filled in; neither: :class:`UnsupportedTokenizer`, see
+        :func:`toktier_backend.faces.parameters.tokenizer_spec`), ``hf_compat`` (the transformers version
+        whose ``AutoTokenizer`` ids to match, default ``4.57``: :mod:`toktier_backend.faces.hf_compat`),
+        ``engine`` (``auto``, ``hf`` or a fast engine name), ``add_special_tokens``, ``eos_token``, ``pad_token``,
+        and the serving core's (``CoreConfig.from_parameters``: ``max_text_bytes``, ``max_sessions``,
+        ``session_ttl_s``, ``session_budget_bytes``, ``verifier_rate``, ``quarantine_file``, ...).
 
         Raises:
-            UnsupportedTokenizer: the tokenizer cannot be served, or its ``tokenizer_config.json`` is not
-                readable JSON.
+            UnsupportedTokenizer: no tokenizer configured, a multimodal model, the tokenizer cannot be served,
+                or its ``tokenizer_config.json`` is not readable JSON.
             ValueError: a malformed parameter (names it).
         """
-        spec = (params.get("tokenizer") or "").strip()
-        tdir = (params.get("tokenizer_dir") or "").strip()
-        if spec in ("", "default") and tdir and not tdir.startswith("${"):
-            spec = tdir
-        if spec in ("", "default"):
-            spec = str(default_tokenizer_path())
+        spec = tokenizer_spec(params, trtllm_config.TOKENIZER_KEYS, model="preprocessing")
+        if not is_unfilled(params.get("multimodal_model_path")):
+            raise UnsupportedTokenizer(
+                f"preprocessing: multimodal_model_path={params['multimodal_model_path']!r} is set, but this model "
+                f"encodes text prompts only; serve multimodal models with TensorRT-LLM's own preprocessing."
+            )
+        from toktier_backend.faces import hf_compat
+        from toktier_backend.spec import resolve_path
+
+        path = default_tokenizer_path() if spec == DEFAULT_TOKENIZER else resolve_path(spec)
+        compat = (params.get("hf_compat") or "").strip()
+        engine = (params.get("engine") or "").strip()
+        tok = load_tokenizer(hf_compat.derived_file(path, "4.57" if is_unfilled(compat) else compat),
+                             engine="auto" if is_unfilled(engine) else engine)
 
         def opt(key: str) -> str | None:
             v = (params.get(key) or "").strip()
             return None if not v or v.startswith("${") else v
 
-        core = ServingCore.from_config(CoreConfig.from_parameters(params, tokenizer=spec))
+        core = ServingCore.from_config(CoreConfig.from_parameters(params, tokenizer=str(path)), tokenizer=tok)
         return cls(
             core,
             add_special_tokens=parse_bool(params.get("add_special_tokens"), True,
@@ -202,6 +222,7 @@ class PreprocessingHandler:
         """
         keyed = correlation_id not in (None, 0, "")
         try:
+            trtllm_config.refuse_multimodal(inputs)
             query = inputs.get("QUERY")
             if query is None:
                 raise InvalidRequest("input 'QUERY' is required (TYPE_STRING, shape [b, 1])")
@@ -246,7 +267,10 @@ class PreprocessingHandler:
             decoder_id = (pad_id * np.ones((b, 1), np.int32)).astype(np.int32)
             decoder_len = np.ones((b, 1), np.int32)
 
+        extra_ids = trtllm_config.prompt_table_extra_ids(input_id, inputs.get("PROMPT_TABLE_EXTRA_ID"),
+                                                          self.base_vocab_size)
         return {
+            **({} if extra_ids is None else {"OUT_PROMPT_TABLE_EXTRA_IDS": extra_ids}),
             "INPUT_ID": input_id,
             "REQUEST_INPUT_LEN": input_len,
             "DECODER_INPUT_ID": decoder_id,

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 from toktier_backend.config import cache_dir
 from toktier_backend.errors import UnsupportedTokenizer
+from toktier_backend.faces import vllm_structured
 from toktier_backend.serving.core import DEFAULT_MIN_PREFIX_CHARS, CoreConfig, ServingCore
 from toktier_backend.serving.metrics import Origin
 from toktier_backend.tokenizer import Tokenizer
@@ -68,8 +69,9 @@ _TEMPLATE_PASSTHROUGH = ("documents", "chat_template", "add_generation_prompt", 
 def _backend_file(hf: Any, path_or_repo_id: str | Path, revision: str | None, download_dir: str | None) -> Path:
     """A ``tokenizer.json`` whose pipeline is exactly the HF tokenizer's backend.
 
-    The model's own ``tokenizer.json`` when its serialization equals the backend's (then shipped guard tables
-    apply); else the backend serialized once into ``$TOKTIER_CACHE_DIR/hf_backend/<sha256>.json`` (atomic write).
+    The model's own ``tokenizer.json`` when its serialization equals the backend's, or differs only where ids
+    are not decided (:func:`~toktier_backend.faces.hf_compat.id_pipeline`: decoder, offset-only keys); then
+    shipped and cached guard tables apply; else the backend serialized once into ``$TOKTIER_CACHE_DIR/hf_backend/<sha256>.json`` (atomic write).
 
     Raises:
         UnsupportedTokenizer: the HF tokenizer has no ``tokenizers`` backend (a slow tokenizer).
@@ -100,7 +102,12 @@ def _backend_file(hf: Any, path_or_repo_id: str | Path, revision: str | None, do
         import tokenizers
 
         try:
-            if tokenizers.Tokenizer.from_file(str(candidate)).to_str() == serialized:
+            on_disk = tokenizers.Tokenizer.from_file(str(candidate)).to_str()
+            if on_disk == serialized:
+                return candidate
+            from toktier_backend.faces.hf_compat import id_pipeline
+
+            if id_pipeline(on_disk) == id_pipeline(serialized):  # offsets/decoder only: same ids, shipped tables
                 return candidate
         except Exception as e:
             log.warning("%s: not loadable by tokenizers (%s); encoding with the HF backend's serialization", candidate, e)
@@ -176,15 +183,34 @@ class TokTierTokenizer:
 
         import toktier_backend as tt
 
-        hf = AutoTokenizer.from_pretrained(
-            path_or_repo_id, *args, trust_remote_code=trust_remote_code, revision=revision,
-            cache_dir=download_dir, **kwargs,
-        )
-        core = tt.load_tokenizer(_backend_file(hf, path_or_repo_id, revision, download_dir))
+        def load():
+            hf = AutoTokenizer.from_pretrained(
+                path_or_repo_id, *args, trust_remote_code=trust_remote_code, revision=revision,
+                cache_dir=download_dir, **kwargs,
+            )
+            return hf, tt.load_tokenizer(_backend_file(hf, path_or_repo_id, revision, download_dir))
+
+        key = vllm_structured.load_key(path_or_repo_id, args, dict(
+            trust_remote_code=trust_remote_code, revision=revision, download_dir=download_dir, **kwargs))
+        # one load per process: copies and unpickling share the HF tokenizer, ours and its serving core
+        hf, core = vllm_structured.shared_load(key, lambda: (lambda h, t: (h, cls(h, t).core))(*load()))
         tok = cls(hf, core)
         object.__setattr__(tok, "_init", (str(path_or_repo_id), args, dict(
             trust_remote_code=trust_remote_code, revision=revision, download_dir=download_dir, **kwargs)))
         return tok
+
+    # isinstance(tok, PreTrainedTokenizerFast) holds: structured-output backends accept it (vllm_structured)
+    __class__ = property(vllm_structured.presented_class, vllm_structured.assign_class)
+
+    def __copy__(self) -> "TokTierTokenizer":
+        """A second handle on the same loaded state (HF tokenizer, our tokenizer, sessions): no load."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> "TokTierTokenizer":
+        """As :meth:`__copy__`: the loaded state is read-only but for the session cache, which locks itself."""
+        return self.__copy__()
 
     def __reduce__(self):
         if self._init is None:
@@ -201,7 +227,9 @@ class TokTierTokenizer:
         return getattr(hf, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OWN:
+        if name == "__class__":
+            vllm_structured.assign_class(self, value)
+        elif name in _OWN:
             object.__setattr__(self, name, value)
         else:  # e.g. Dynamo sets tokenizer.chat_template: it belongs to the HF tokenizer that renders
             setattr(self.hf, name, value)

@@ -3,7 +3,7 @@
 Inputs (batch dimension first, one row per request): ``input_ids`` INT32 [-1], ``input_lengths`` INT32 [1],
 ``request_output_len`` INT32 [-1], optional ``end_id``/``pad_id``/``decoder_input_lengths`` INT32 [1],
 ``decoder_input_ids`` INT32 [-1], ``bad_words_list``/``stop_words_list`` INT32 [2, -1], ``embedding_bias``
-FP32 [-1].
+FP32 [-1], ``prompt_table_extra_ids`` UINT64 [-1].
 Outputs: ``output_ids`` INT32 [1, n] = ``input_ids[:input_lengths]`` (beam 1: the prompt, "generated"
 back), ``sequence_length`` INT32 [1] = n, and ``echo_<input>`` = each input as received (absent optional
 inputs: ``-1`` for scalars, an empty tensor otherwise).
@@ -19,6 +19,7 @@ _OTHERS = {
     "bad_words_list": (np.int32, (2, 0)),
     "stop_words_list": (np.int32, (2, 0)),
     "embedding_bias": (np.float32, (0,)),
+    "prompt_table_extra_ids": (np.uint64, (0,)),
 }
 
 
