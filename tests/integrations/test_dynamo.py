@@ -310,9 +310,9 @@ def _route_counts(metrics_text: str) -> dict[str, float]:
 
 def test_verifier_samples_and_metrics(echo):
     text = echo.metrics()
-    m = re.search(r'^toktier_verifier_samples_total\{model="toktier_dynamo",result="match"\} (\S+)$', text, re.M)
+    m = re.search(r'^toktier_verifier_samples_total\{face="dynamo",model="toktier_dynamo",result="match"\} (\S+)$', text, re.M)
     assert m and float(m.group(1)) >= 1, text[-2000:]
-    mm = re.search(r'^toktier_verifier_samples_total\{model="toktier_dynamo",result="mismatch"\} (\S+)$', text, re.M)
+    mm = re.search(r'^toktier_verifier_samples_total\{face="dynamo",model="toktier_dynamo",result="mismatch"\} (\S+)$', text, re.M)
     assert mm and float(mm.group(1)) == 0
 
 

@@ -78,7 +78,7 @@ class FaceEncoded:
         ids: ``list[int]`` (Dynamo's request wants a JSON list); equals HF
             ``encode(text, add_special_tokens=flag).ids``.
         route: ``new`` / ``append`` / ``edit`` / ``full`` / ``noop`` / ``reference`` / ``encode`` / ``busy``
-            (see ``serving.prefix_sessions.Encoded``).
+            (``serving.core.Reply.shown_route``).
         reused: ids kept from the session's previous prompt.
         session: ``"key"``, ``"prefix"`` or ``None``.
     """
@@ -90,16 +90,17 @@ class FaceEncoded:
 
 
 class FaceSessions:
-    """Sessions, shadow verifier and metrics of one tokenizer: every encode of this face goes through
-    :meth:`encode` (the only place that names the serving core's classes).
+    """The serving core of one tokenizer, as this face uses it: every encode goes through :meth:`encode`,
+    one :meth:`ServingCore.encode` call (sessions by key or by prompt prefix, one byte budget, the shadow
+    verifier, the ``toktier_*`` metrics under ``face="dynamo"``, the CPU pool).
 
     Args:
         tokenizer: a core ``toktier_backend.Tokenizer``.
         name: how logs and the verifier name this model.
-        max_sessions, min_prefix_chars, ttl_s: ``SessionCache`` limits (sessions; chars; seconds).
+        max_sessions, min_prefix_chars, ttl_s: the core's session limits (sessions; chars; seconds).
         verifier_rate: probability that a reply beyond the first ``verifier_first_n`` is re-encoded with
             the HF reference on the verifier thread (``0`` and ``first_n=0``: no verifier).
-        quarantine_file: shared quarantine file (``None``: in memory).
+        quarantine_file: shared quarantine file (``None``: the default, ``config.default_quarantine_file``).
         metrics: a ``serving.metrics.Metrics`` (default: the process-wide one; ``None`` if prometheus_client
             is missing).
     """
@@ -107,65 +108,40 @@ class FaceSessions:
     def __init__(self, tokenizer: Any, *, name: str, max_sessions: int = 256, min_prefix_chars: int = 2048,
                  ttl_s: float = 600.0, verifier_rate: float = 0.01, verifier_first_n: int = 32,
                  quarantine_file: str | None = None, metrics: Any = "default"):
-        from toktier_backend.serving.metrics import get_metrics
-        from toktier_backend.serving.prefix_sessions import SessionCache
-        from toktier_backend.serving.verifier import Verifier
+        from toktier_backend.serving.core import CoreConfig, ServingCore
+        from toktier_backend.serving.metrics import Origin
 
+        config = CoreConfig(tokenizer=str(tokenizer.path), max_sessions=max_sessions,
+                            min_prefix_chars=min_prefix_chars, session_ttl_s=ttl_s, verifier_rate=verifier_rate,
+                            verifier_first_n=verifier_first_n, quarantine_file=quarantine_file or "")
+        kw = {} if metrics == "default" else {"metrics": metrics}
+        self.core = ServingCore.from_config(config, tokenizer=tokenizer, **kw)
+        self.core.name = name
+        self.origin = Origin("dynamo", METRICS_MODEL)
+        self.core.register(self.origin, sessions=True)
         self.tokenizer = tokenizer
         self.name = name
-        self.cache = SessionCache(tokenizer, max_sessions=max_sessions, min_prefix_chars=min_prefix_chars,
-                                  ttl_s=ttl_s)
-        self.metrics = get_metrics() if metrics == "default" else metrics
-        self.verifier = None
-        if verifier_rate > 0 or verifier_first_n > 0:
-            self.verifier = Verifier(tokenizer, rate=verifier_rate, first_n=verifier_first_n,
-                                     quarantine_file=quarantine_file, name=name,
-                                     on_result=self._on_sample if self.metrics is not None else None)
-        self._dropped_seen = 0
-        if self.metrics is not None:
-            self.metrics.touch(METRICS_MODEL)
+
+    @property
+    def verifier(self):
+        return self.core.verifier
+
+    @property
+    def metrics(self):
+        return self.core.metrics
 
     def encode(self, key: Hashable | None, text: str, *, add_special_tokens: bool = False) -> FaceEncoded:
         """Ids of ``text`` (the whole rendered prompt), repairing the session of ``key`` (or the one found
         by prefix when ``key`` is ``None``). Thread-safe; runs off the event loop.
 
         Raises:
-            InvalidRequest: not a ``str`` of Unicode scalar values, or over the tokenizer's ``max_chars``.
+            InvalidRequest: not a ``str`` of Unicode scalar values, or over the size limit.
         """
-        t0 = time.perf_counter()
-        try:
-            enc = self.cache.encode(text, key=key, add_special_tokens=add_special_tokens)
-        except ToktierError as e:
-            if self.metrics is not None:
-                self.metrics.observe_error(METRICS_MODEL, "INVALID_ARG" if isinstance(e, InvalidRequest) else "INTERNAL")
-            raise
-        if self.metrics is not None:
-            self.metrics.observe_reply(METRICS_MODEL, "full", enc.route, time.perf_counter() - t0)
-        if self.verifier is not None:
-            self.verifier.sync()
-            if self.verifier.wants():
-                self.verifier.submit(text, enc.ids, add_special_tokens=add_special_tokens, route=enc.route)
-        self._refresh_gauges()
-        return FaceEncoded(enc.ids.tolist(), enc.route, int(enc.reused), enc.session)
+        r = self.core.encode(self.origin, text, key=key, add_special_tokens=add_special_tokens, what="prompt")
+        return FaceEncoded(r.ids.tolist(), r.shown_route, int(r.keep), r.session)
 
     def close(self) -> None:
-        if self.verifier is not None:
-            self.verifier.close()
-
-    def _on_sample(self, sample: Any, ok: bool) -> None:
-        self.metrics.observe_sample(METRICS_MODEL, sample.route, ok)
-        self.metrics.set_state(METRICS_MODEL, verifier=self.verifier, tokenizer=None if ok else self.tokenizer)
-
-    def _refresh_gauges(self) -> None:
-        if self.metrics is None:
-            return
-        dropped = 0
-        if self.verifier is not None:
-            dropped = self.verifier.dropped - self._dropped_seen
-            self._dropped_seen += dropped
-        self.metrics.sessions.labels(METRICS_MODEL).set(len(self.cache))
-        self.metrics.session_bytes.labels(METRICS_MODEL).set(self.cache.nbytes)
-        self.metrics.set_state(METRICS_MODEL, verifier=self.verifier, tokenizer=self.tokenizer, dropped_delta=dropped)
+        self.core.close()
 
 
 # ---------------------------------------------------------------- request -> session key, prompt
