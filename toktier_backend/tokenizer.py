@@ -3,11 +3,11 @@
 A request's path, top-down::
 
     Session.update(text) / .append(delta)
-      -> validate (UTF-8 scalar values, size)                       api._validate
-      -> departure point d (append: old length; update: common prefix)   pipeline.text_store
-      -> last stable cut c <= d - 1 on a token boundary, widening the window  pipeline.cuts
-      -> re-encode text[c:] with the admitted engine (reference if guarded)   engines / admission
-      -> splice ids and offsets in place, return a read-only view       pipeline.token_buffer
+      -> validate (UTF-8 scalar values, size)                              tokenizer._validate
+      -> departure point d (append: old length; update: common prefix)     pipeline.repair.departure
+      -> last stable cut c <= d - 1 on a token boundary, widening the window  pipeline.repair.find_cut
+      -> re-encode text[c:] with the admitted engine (reference if guarded)  engines / engines.admission
+      -> splice ids and offsets (copy-on-write), return a read-only view    pipeline.token_buffer
 
 Example (GPT-2, ids from the HF reference)::
 
