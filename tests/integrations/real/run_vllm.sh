@@ -15,6 +15,6 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/n
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 "$VENV/bin/pip" install -q --no-deps -e "$REPO"
-"$VENV/bin/pip" install -q 'fastokens>=0.3.5,<0.4' 'gigatoken>=0.10,<0.11' rich
+"$VENV/bin/pip" install -q 'fastokens>=0.3.5,<0.4' 'gigatoken>=0.10,<0.11' rich 'orjson>=3.9' 'minijinja>=2.0' 'jinja2>=3.1.6'  # the project's own dependencies besides tokenizers/numpy (vLLM's)
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" TOKENIZERS_PARALLELISM=false
 exec "$VENV/bin/python" "$REPO/tests/integrations/real/vllm_check.py"
