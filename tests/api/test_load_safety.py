@@ -55,9 +55,12 @@ def test_a_pickle_is_never_unpickled(tmp_path):
 
 def test_no_pickle_eval_or_remote_code_in_the_load_and_serve_path():
     """``faces/vllm_tokenizer.py`` is excluded: it implements vLLM's tokenizer interface, which passes
-    vLLM's own ``trust_remote_code`` flag through to vLLM; our load path never takes it."""
-    pattern = re.compile(r"^\s*(import pickle|from pickle|import marshal|import dill)|\b(eval|exec)\(|trust_remote_code",
-                         re.M)
+    vLLM's own ``trust_remote_code`` flag through to vLLM; our load path never takes it.
+
+    ``marshal`` may write (``chat/session.py`` compares message values by their ``marshal.dumps`` bytes) but
+    never read: ``marshal.load``/``loads`` of untrusted bytes is the hazard, as any pickle or dill import."""
+    pattern = re.compile(r"^\s*(import pickle|from pickle|import dill|from marshal)|\bmarshal\.loads?\b|"
+                         r"\b(eval|exec)\(|trust_remote_code", re.M)
     hits = [f"{p.relative_to(PACKAGE)}: {m.group(0).strip()}" for p in PACKAGE.rglob("*.py")
             if p.relative_to(PACKAGE).as_posix() != "faces/vllm_tokenizer.py"
             for m in pattern.finditer(p.read_text())]
