@@ -1,5 +1,5 @@
-"""The ``toktier`` command: ``demo`` (the main job), ``encode``, ``info``, ``guard-tables``; the serving
-issue adds ``serve``."""
+"""The ``toktier`` command: ``demo`` (the main job), ``encode``, ``info``, ``guard-tables``, ``proxy``,
+``fleet``, ``dynamo``, and ``serve`` when the serving layer (``deploy/cli_serve.py``) imports."""
 
 from __future__ import annotations
 

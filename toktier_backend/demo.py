@@ -19,7 +19,7 @@ the mismatch count, which must be 0.
   (fastokens) with no state, ``toktier_backend/data/models/`` (against a running server given by ``url``:
   ``toktier_encode``, which reuses indexed prefixes by content, so it is not a full re-encode there);
 - the HF reference's own encode of the same text, in this process, timed; it is also the check, and runs
-  after all served requests (between them it slowed them ~2x on 2 cores).
+  after all served requests (between them it would slow them: ``docs/design/demo.md``).
 
 Then one more session grows from 10K to over 1M chars (:data:`SWEEP_CHARS`): at each size :data:`SWEEP_TURNS` real turns
 are appended and timed the same four ways, and a PNG of latency vs context size is written.
@@ -136,8 +136,8 @@ FAST_ENCODE_MODEL = "toktier_encode_fast"
 FAST_MODEL_DIR = Path(__file__).resolve().parent / "data" / "models" / FAST_ENCODE_MODEL
 END_OF_MESSAGE = "<|im_end|>\n"
 #: model parameters of the server the demo starts: the shadow verifier off, since the demo compares every
-#: reply with HF itself; left on, its HF re-encodes of the first replies (0.3-0.7 s of CPU each at 400K
-#: chars) would compete with the timed requests for the cores
+#: reply with HF itself; left on, its HF re-encodes of the first replies would compete with the timed
+#: requests for the cores (docs/design/demo.md)
 DEMO_PARAMETERS = {"verifier_rate": "0", "verifier_first_n": "0"}
 
 #: what each turn is timed on, in table order: (key, label, what)
@@ -398,8 +398,8 @@ class _Driver:
     """One full-text and one delta+patch session on the server plus the stateless encode model; each
     :meth:`turn` sends one text all ways (rotating which goes first) and times them. The replies wait in
     :attr:`pending` for :func:`_check`, which runs after all served requests: HF's encode of a 400K-1M-char
-    text churns this process's heap and caches (tens of MB built and freed), and between the served calls
-    it slowed them ~2x on a 2-core machine."""
+    text churns this process's heap and caches (tens of MB built and freed), which slows served calls
+    made between such encodes (``docs/design/demo.md``)."""
 
     def __init__(self, mod, client, kwargs, url, protocol, key, timeout_s, server, encode_model, pending):
         from toktier_backend.client import SessionClient

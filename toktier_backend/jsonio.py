@@ -1,6 +1,6 @@
 """JSON request bodies: ``loads(bytes)`` with orjson where installed, else the standard library.
 
-orjson parses a 1.1 MB chat body (822 messages) about 5x faster than ``json.loads`` (docs/design/chat.md).
+orjson parses large chat bodies faster than ``json.loads`` (numbers: docs/design/chat.md).
 Both give the same Python values for valid JSON (``dict``/``list``/``str``/``int``/``float``/``bool``/
 ``None``); orjson rejects ``NaN``/``Infinity`` and lone surrogates, which ``json`` accepts: those bodies
 raise :class:`InvalidRequest` either way here.

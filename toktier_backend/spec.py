@@ -203,8 +203,8 @@ _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 
 def _nfc_identity(text: str) -> bool:
     """Is HF's NFC (and NFC of every segment between added tokens) the identity on ``text``? Decided
-    with Python's ``unicodedata`` (C quick check; a 16K-char segment: ~20 us vs ~0.6 ms through
-    ``normalizer.normalize_str``) only when every non-ASCII char is assigned in Python's Unicode database:
+    with Python's ``unicodedata`` (C quick check, much cheaper than ``normalizer.normalize_str``:
+    ``docs/design/pipeline.md``) only when every non-ASCII char is assigned in Python's Unicode database:
     by the Unicode Normalization Stability Policy (unicode.org/policies/stability_policy.html), a string
     in NFC that holds only characters assigned in version V stays in NFC in every later version, so the
     answer holds for HF's (newer or equal) tables; an older HF table treats chars it lacks as inert

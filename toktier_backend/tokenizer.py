@@ -85,7 +85,7 @@ def _validate(text: str, max_chars: int, what: str = "text", *, scalars: bool = 
 
 def _check_scalars(text: str, start: int = 0, what: str = "text") -> None:
     """Raise ``InvalidRequest`` if ``text[start:]`` holds a lone surrogate (the error names its char index in
-    ``text``). Free for ASCII; otherwise one UTF-32 encode (~0.5 ns/char, ~3x cheaper than UTF-8)."""
+    ``text``). Free for ASCII; otherwise one UTF-32 encode (cheaper than UTF-8: ``docs/design/pipeline.md``)."""
     part = text[start:] if start else text
     if part.isascii():
         return
@@ -280,8 +280,8 @@ class Tokenizer:
         Texts shorter than two index steps skip the index.
 
         Only the part of ``text`` that is encoded here is checked for lone surrogates: a reused prefix equals
-        an indexed text char for char, and that text was checked when it was encoded (1M chars of
-        non-ASCII text: ~0.6 ms saved on a 95% hit, as much as the rest of the request).
+        an indexed text char for char, and that text was checked when it was encoded (what this saves:
+        ``docs/design/prefix_index.md``).
 
         Raises:
             InvalidRequest: the encoded part holds a lone surrogate (names its char index in ``text``).
@@ -335,9 +335,9 @@ class Tokenizer:
         _validate(text, self.max_chars, scalars=False)
         reference_only = self.needs_reference(add_special_tokens)
         if reference_only or body_fn != self.encode_fresh:
-            # (encode_fresh checks only what it encodes: a chunked text chunk by chunk on the pool, where the
-            # whole-text check would be ~2 ms of C under the GIL at 4M chars that a session repair on another
-            # thread would wait out; a prefix hit only its tail)
+            # (encode_fresh checks only what it encodes: a chunked text chunk by chunk on the pool, where a
+            # whole-text check would hold the GIL that a session repair on another thread waits for
+            # (docs/design/pipeline.md); a prefix hit only its tail)
             _check_scalars(text)
         if reference_only:
             ids = self.reference.encode(text, add_special_tokens=add_special_tokens).ids

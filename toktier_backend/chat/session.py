@@ -511,7 +511,7 @@ class ChatSession:
             (:mod:`.fast`); the reference :meth:`full_render` is always jinja2.
         trust_identity: opt-in, for in-process callers that never mutate a message dict after passing it:
             a message that is the same object as at that position in the previous request is not compared
-            (the compare costs about 1 us per message). Leave off for requests decoded from the wire (new
+            (cost of the compare: ``docs/design/chat.md``). Leave off for requests decoded from the wire (new
             objects every time anyway) or when dicts may be edited in place.
 
     Raises:

@@ -12,7 +12,7 @@ reference:
    reference. The table is cached per (file sha256, engine, engine version, ``tokenizers`` version) under
    ``$TOKTIER_CACHE_DIR`` (default ``~/.cache/toktier_backend``), written atomically. Tables for the
    nine files of ``shared/tokenizers`` under the pinned engine versions ship in ``data/guard/`` (made by
-   ``toktier guard-tables FILE...``; a full computation takes 1-2 min per file on 2 cores).
+   ``toktier guard-tables FILE...``; its run time: ``docs/design/engines.md``).
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ class Admission:
     def has_guarded(self, text: str) -> bool:
         """Does ``text`` hold a guarded code point? O(len(text)); free for ASCII when none is guarded.
 
-        Texts of :data:`_SCAN_CHARS` chars or more are checked as UTF-32 code points in numpy (about
-        1 ns/char) instead of with the regex (Python ``re`` over this class costs ~50-200 ns/char:
-        600-800 ms for 4M chars of agent text, 20x gigatoken's whole encode).
+        Texts of :data:`_SCAN_CHARS` chars or more are checked as UTF-32 code points in numpy instead of
+        with the regex (Python ``re`` over a large character class is far slower per char; numbers:
+        ``docs/design/engines.md``).
         """
         if self._re is None:
             return False
@@ -140,7 +140,7 @@ class Admission:
         u = np.frombuffer(data, dtype=np.uint8)
         if self.ascii_guarded and self.has_guarded_cps(u[u < 0x80].astype(np.uint32)):
             return True
-        lead = _non_ascii_at(u)  # agent text: ~1 non-ASCII char in 2,000
+        lead = _non_ascii_at(u)  # agent text has few non-ASCII chars (docs/design/engines.md)
         lead = lead[u[lead] >= self._lead_min]
         if not len(lead):
             return False
@@ -169,10 +169,10 @@ _BYTE_AT = np.arange(8, dtype=np.intp)
 def _non_ascii_at(u: np.ndarray) -> np.ndarray:
     """Positions of the bytes >= 0x80 in ``u`` (``np.ndarray[uint8] (n,)``), ascending, as
     ``np.ndarray[intp]``. Scans eight bytes per step (one ``uint64`` AND), then looks only inside the words
-    that hold such a byte: 4 MB of agent text in ~0.4 ms, vs ~0.7 ms for ``flatnonzero(u >= 0x80)``."""
+    that hold such a byte (against ``flatnonzero(u >= 0x80)``: ``docs/design/engines.md``)."""
     n8 = len(u) & ~7
     words = u[:n8].view(np.uint64)
-    hot = np.flatnonzero((words & _HIGH_BITS) != 0)  # (flatnonzero on the uint64s: 3x slower)
+    hot = np.flatnonzero((words & _HIGH_BITS) != 0)  # words holding a byte >= 0x80
     at = (hot[:, None] * 8 + _BYTE_AT).ravel()
     if n8 < len(u):
         at = np.concatenate([at, np.arange(n8, len(u), dtype=np.intp)])

@@ -3,9 +3,8 @@
 The first engine of ``FAST_ENGINE_ORDER`` (``registry.py`` says why). It loads seven of the nine files in
 ``shared/tokenizers`` (not the tiktoken-converted cl100k_base / o200k_base: "unsupported model type") and
 agrees with HF on every Unicode scalar value in every probe context there: its guard tables
-(``data/guard/*-fastokens-*``) are empty. They were computed once through ``Tokenizer.encode(text).ids``
-and again through :meth:`FastokensEngine.encode` (``encode_batch_flat``, the call we serve with): both
-runs found 0 guarded code points on all seven files.
+(``data/guard/*-fastokens-*``) are empty, computed through :meth:`FastokensEngine.encode`
+(``encode_batch_flat``, the call we serve with); provenance: ``docs/design/engines.md``.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ class FastokensEngine:
     """fastokens behind the engine protocol.
 
     Threads: ``encode_batch_flat`` converts the ``str`` to UTF-8 under the GIL (CPython's
-    ``PyUnicode_AsUTF8AndSize``: ~0.6 ns/char for non-ASCII text, free for ASCII), then releases the GIL
-    while Rust runs (:attr:`releases_gil`). One object serves any number of threads at once (two threads
-    encoding 2M chars each on one object took as long as one 2M encode), so :meth:`reserve` loads nothing.
+    ``PyUnicode_AsUTF8AndSize``; free for ASCII), then releases the GIL while Rust runs
+    (:attr:`releases_gil`). One object serves any number of threads at once, in parallel
+    (``docs/design/parallel.md``), so :meth:`reserve` loads nothing.
     The segment cache is turned off (``FASTOKENS_SEGMENT_CACHE`` would turn it on at construction): session
     repair already skips repeated text, and the guard tables were computed without it.
     """
@@ -69,7 +68,7 @@ class FastokensEngine:
         """Body ids of ``text``, GIL released while Rust runs.
 
         ``encode_batch_flat([text])`` returns the ids as one little-endian ``uint32`` buffer: no Python int
-        per token (``encode(text).ids`` builds a list: 1M chars of agent text 5.8 vs 3.9 ms).
+        per token (``encode(text).ids`` builds a list; cost: ``docs/design/engines.md``).
 
         Returns:
             ``np.ndarray[int32] (n_tokens,)``, a read-only view of fastokens' buffer (ids < 2**31).

@@ -1,5 +1,5 @@
-"""gigatoken (PyPI ``gigatoken``): byte-level and SentencePiece-style BPE in Rust; exact on the nine files
-in ``shared/tokenizers`` in our measurements, ~100x HF on 2K-char windows (see ``bench/``)."""
+"""gigatoken (PyPI ``gigatoken``): byte-level and SentencePiece-style BPE in Rust, admitted per file by the
+canary and guard set of ``engines/admission.py``. Speed and agreement: ``docs/design/engines.md``."""
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ class GigatokenEngine:
         self._path = path
         self._backend = self._tok.backend
         self._one_row = _gigatoken.gigatoken_rs.PadTruncate(0)  # one document: no padding, no truncation
-        # Rust tokenizers not in use. gigatoken serializes concurrent calls on one tokenizer object (two
-        # threads encoding 2M chars each on one object: 13.8 ms, as serial; on two objects: 7.4 ms), so
-        # each concurrent caller checks one out. list.pop / list.append are atomic under the GIL.
+        # Rust tokenizers not in use. gigatoken serializes concurrent calls on one tokenizer object
+        # (docs/design/parallel.md), so each concurrent caller checks one out. list.pop / list.append are
+        # atomic under the GIL.
         self._free = [self._backend]
         self._backends = 1
         self._lock = threading.Lock()
@@ -58,8 +58,8 @@ class GigatokenEngine:
 
     def reserve(self, n: int) -> None:
         """Load Rust tokenizer objects up to ``n`` (at most :data:`MAX_BACKENDS`), so that ``n`` threads can
-        encode at once. Each costs the file's load time (0.1-0.8 s for the nine files) and its tables in
-        memory (tens of MB); call it at startup, not on the request path."""
+        encode at once. Each costs the file's load time and its tables in memory
+        (``docs/design/engines.md``); call it at startup, not on the request path."""
         with self._lock:
             while self._backends < min(n, MAX_BACKENDS):
                 self._free.append(_gigatoken.Tokenizer(self._path).backend)
@@ -69,15 +69,15 @@ class GigatokenEngine:
         """Body ids of ``text`` (a ``str`` or its UTF-8 ``bytes``), with the GIL released while Rust runs.
 
         Not gigatoken's ``Tokenizer.encode``: in 0.10.0 that holds the GIL for the whole call (a Python
-        thread waits out a 4M-char encode, ~15-30 ms) and takes a *mutable* borrow of the Rust tokenizer,
+        thread waits out the whole encode) and takes a *mutable* borrow of the Rust tokenizer,
         so a second thread calling any method during a GIL-free call gets ``RuntimeError: Already
         borrowed``. ``encode_batch_padded([text], parallel=False)`` runs the same encoder on the calling
         thread with the GIL released and a shared borrow (any number of threads at once), and one row
         needs no padding. Checked equal to ``Tokenizer.encode`` on the canary and on every guard-set probe
         text (all 1,112,064 scalar values in four contexts) of the nine files in ``shared/tokenizers``, so
         the guard tables computed with ``Tokenizer.encode`` hold for it; ``tests/parallel`` compares it
-        with HF. Passing ``bytes`` skips gigatoken's own UTF-8 conversion, which runs under the GIL (~3 of
-        ~18 ms CPU for 4M chars of agent text). Concurrent callers each take a Rust tokenizer object of
+        with HF. Passing ``bytes`` skips gigatoken's own UTF-8 conversion, which runs under the GIL
+        (``docs/design/parallel.md``). Concurrent callers each take a Rust tokenizer object of
         their own (:meth:`reserve`); beyond those they share one, which gigatoken serializes.
 
         Returns:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
 
 import numpy as np
 
-from toktier_backend.config import default_quarantine_file  # noqa: F401  (re-exported: it used to live here)
 from toktier_backend.errors import ToktierError
 from toktier_backend.faces import triton_io
 from toktier_backend.runtime.pool import CpuPool
@@ -34,7 +33,7 @@ from toktier_backend.serving.core import (  # noqa: F401  (re-exported)
     ServingCore,
 )
 from toktier_backend.serving.metrics import Metrics, Origin
-from toktier_backend.serving.session_store import (  # noqa: F401  (re-exported: the store used to live here)
+from toktier_backend.serving.session_store import (  # noqa: F401  (re-exported)
     DEFAULT_SESSION_TTL_S,
     SessionEntry,
     SessionStore,

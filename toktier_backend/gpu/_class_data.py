@@ -1,5 +1,5 @@
 """Class tables probed from HF ``tokenizers``' Oniguruma (``unicode_tables.compute_probes``), shipped so a
-fresh machine needs no 12-30 s probe. Generated; identical for tokenizers 0.23.2 and 0.23.3.
+fresh machine needs no probe. Generated; identical for tokenizers 0.23.2 and 0.23.3.
 
 Maps ``tokenizers`` version -> class name -> inclusive code point ranges ``[first, last]``.
 """

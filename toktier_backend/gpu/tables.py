@@ -335,14 +335,14 @@ class GpuTables:
         t._last_full = None
         t.nfc_full_checks = 0
         if nfc:
-            nfc_unsafe_table()  # built once per process (~0.5 s), not on the first request
+            nfc_unsafe_table()  # built once per process at load, not on the first request (docs/design/gpu.md)
         return t
 
     # --------------------------------------------------------------------------------- host checks
     def accepts(self, text: str) -> bool:
         """Whether the GPU path is exact for ``text``. Only NFC files restrict it: NFC must be the
-        identity. Fast path: no code point of :func:`nfc_unsafe_table` (~3.5 ms per 1M chars); otherwise
-        the file's own HF normalizer decides (exact by definition; ~60 ms per 1M chars), so texts with
+        identity. Fast path: no code point of :func:`nfc_unsafe_table`; otherwise the file's own HF
+        normalizer decides (exact by definition, slower: ``docs/design/gpu.md``), so texts with
         code points Python 3.11 does not know (new or unassigned) still run on the GPU when NFC leaves
         them alone."""
         if not self.needs_nfc or text.isascii():

@@ -9,7 +9,7 @@ Unicode versions agree on. Only single-code-point classes are probed; the predic
 (``predicates.py``) cover how runs of them combine.
 
 Tables for the ``tokenizers`` versions in ``_class_data.PROBED`` ship with the package; for any other
-version they are computed once (12-30 s on 2 cores) and cached as range lists under
+version they are computed once (time: ``docs/design/gpu.md``) and cached as range lists under
 ``$TOKTIER_CACHE_DIR/gpu`` (default ``~/.cache/toktier_backend/gpu``), written atomically.
 
 Bits of :func:`class_table` (``uint16[0x110000]``):

@@ -29,8 +29,7 @@ gigatoken) is chunked; with HF ``tokenizers``, which holds the GIL, threads woul
 
 While the pool has a repair queued or running (``CpuPool.repairs_active``), a converting thread sleeps 0 s
 between pieces, which releases the GIL to the repair's Python code. Texts shorter than :data:`MIN_CHARS`
-are one engine call on the calling thread. Measurements behind these choices, and what was tried and
-dropped: ``docs/design/parallel.md``.
+are one engine call on the calling thread. Why: ``docs/design/parallel.md``.
 """
 
 from __future__ import annotations
@@ -123,12 +122,12 @@ class ChunkedEncoder:
     def prepare(self) -> None:
         """Make the first chunked encode as fast as the next ones, once per pool: ``engine.reserve(workers +
         1)`` (room for every pool worker and the calling thread; gigatoken loads one Rust object per
-        concurrent caller, 0.1-0.8 s each), then one encode of :data:`WARM_CHARS` chars of the bundled
-        sample sessions on every pool worker at once (``CpuPool.run_on_each_worker``): an engine's first
-        call on a thread builds per-thread state (fastokens: a cold first piece took several times a warm
-        one, ``docs/design/parallel.md``), which a request would otherwise pay. Serving calls it at model
-        load; otherwise the first chunked encode does (called from a pool worker, it only reserves). A
-        failed warm-up is logged, never raised: it only costs the first request time."""
+        concurrent caller, ``docs/design/engines.md``), then one encode of :data:`WARM_CHARS` chars of the
+        bundled sample sessions on every pool worker at once (``CpuPool.run_on_each_worker``): an engine's
+        first call on a thread builds per-thread state (``docs/design/parallel.md``), which a request would
+        otherwise pay. Serving calls it at model load; otherwise the first chunked encode does (called from
+        a pool worker, it only reserves). A failed warm-up is logged, never raised: it only costs the first
+        request time."""
         pool = self.pool
         if not self.available:
             self._prepared = pool

@@ -60,8 +60,8 @@ class _Region:
     """The text of the nodes one :meth:`PrefixIndex.insert` added, as one ``str`` (nodes hold offsets into
     it). One string, not one per chunk, so that a confirmation compares long runs with a single
     ``str.startswith``: CPython compares two strings of the same kind with ``memcmp``, but a 16K-char ASCII
-    chunk against a text that holds any non-ASCII char char by char (1M chars: 0.26 ms in 61 chunk
-    compares vs 0.05-0.18 ms in one region compare)."""
+    chunk against a text that holds any non-ASCII char char by char (numbers:
+    ``docs/design/prefix_index.md``)."""
 
     text: str
     live: int = 0  # nodes still indexed that point into it
@@ -97,7 +97,7 @@ class PrefixHit:
     Attributes:
         cut: chars covered (``text[:cut]``).
         parts: body ids of ``text[:cut]``, one ``np.ndarray[int32]`` per chunk, root first (concatenate them
-            together with what follows in one copy: at 1M chars each extra copy of the ids costs ~0.1 ms).
+            together with what follows in one copy: each extra copy of the ids is O(n)).
         node: the deepest node of the confirmed chain.
     """
 
@@ -323,7 +323,7 @@ class PrefixIndex:
     def drain(self, timeout: float = 30.0) -> None:
         """Wait (at most ``timeout`` seconds) until queued inserts are done (tests, benchmarks). Waits on the
         queue's own condition: no helper thread, whose exit would contend for the GIL with the caller's next
-        request (that inflated the next 1M-char encode by ~0.4 ms in ``bench/prefix.py``)."""
+        request (``docs/design/prefix_index.md``)."""
         q = self._queue
         if q is None:
             return

@@ -3,7 +3,7 @@ and one LRU order (shared with the tokenizer's prefix index), and START/END sema
 
 Memory is counted honestly: each entry costs ``Session.nbytes`` (text blocks as ``sys.getsizeof`` counts
 them, the id/offset arrays at their capacity) plus :data:`ENTRY_OVERHEAD` for the Python objects around them
-(measured with ``tracemalloc`` in ``tests/pipeline/test_session_store.py``). When the total passes the
+(bounded by a ``tracemalloc`` test in ``tests/pipeline/test_session_store.py``). When the total passes the
 budget, the least recently used sessions are evicted; a session that alone is over the budget is evicted
 right after its reply. An evicted or unknown session is rebuilt exactly from the whole text of the next
 ``MODE=full`` request; a ``MODE=delta`` request for it gets ``UnknownSession`` (NOT_FOUND) asking for the
@@ -36,7 +36,8 @@ DEFAULT_SESSION_TTL_S = 600.0
 
 ENTRY_OVERHEAD = 3200
 """Bytes per held session beyond ``Session.nbytes``: the Session, TextStore, TokenBuffer and RepairInfo
-objects, the entry (with its lock), and the store's dict node (measured: 2.4-2.9 KiB, see the test)."""
+objects, the entry (with its lock), and the store's dict node: an upper bound of what the ``tracemalloc``
+test counts (numbers: ``docs/design/sessions.md``)."""
 
 EVICTION_CAUSES = ("idle", "budget", "start", "error")
 """Why a session was dropped other than by END: idle past the TTL, LRU under the byte budget (or beyond
