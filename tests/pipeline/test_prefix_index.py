@@ -1,13 +1,19 @@
-"""Cross-session prefix reuse: every reply equals the HF reference, and reuse actually happens."""
+"""Cross-session prefix reuse: every reply equals the HF reference, reuse actually happens, and the
+background indexer yields to chunk tasks on the pool."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
 
+import toktier_backend as tt
 from toktier_backend.pipeline.prefix_index import PrefixIndex
+from toktier_backend.runtime.pool import CHUNK, CpuPool
 
-from ..conftest import load, reference
+from ..conftest import load, reference, tokenizer_path
 
 
 def fresh_index(tok, step=512, budget=64 << 20, digest=None):
@@ -99,3 +105,40 @@ def test_regions_bytes_accounting_and_multi_region_chains(corpus_texts):
     idx._evict()
     assert len(idx) == 0 and idx.nbytes == 0
     check(tok, ref, base[:8000] + "\nafter eviction")  # a miss, still exact
+
+
+def test_prefix_indexer_waits_while_chunks_run_and_lookups_do_not_wait_for_it(corpus_texts, monkeypatch):
+    """The background indexer calls ``yield_to`` before each chunk (the tokenizer passes its pool's
+    ``wait_chunks_idle``): while a chunk task runs, no chunk of a queued insert is hashed; once the pool is
+    idle the insert completes, and its chain serves a later lookup exactly."""
+    from toktier_backend.pipeline import prefix_index
+
+    monkeypatch.setattr(prefix_index, "YIELD_S", 30.0)  # (shipped: at most 50 ms per chunk)
+    tok = tt.load_tokenizer(tokenizer_path("qwen3"))
+    idx = tok.prefix_index
+    p = CpuPool(1, name="test-yield")
+    tok.chunked.pool = p
+    hashed: list[bool] = []
+    real = idx.digest
+    idx.digest = lambda parent, chunk: hashed.append(p.wait_chunks_idle(0)) or real(parent, chunk)
+    gate = threading.Event()
+    try:
+        blocker = p.submit(gate.wait, 10, priority=CHUNK)  # a chunk task "runs"
+        text = "".join(corpus_texts)[:200_000]
+        body, _ = tok.encode_fresh(text)
+        assert not p.wait_chunks_idle(0)
+        time.sleep(0.2)
+        assert hashed == []  # the indexer waits
+        t0 = time.perf_counter()
+        assert idx.lookup(text + "x") is None  # not indexed yet, and the lookup did not wait on the insert
+        assert time.perf_counter() - t0 < 0.05
+        gate.set()
+        blocker.result(timeout=10)
+        idx.drain()
+        assert hashed and all(hashed)  # every chunk hashed with no chunk task queued or running
+        hit = idx.lookup(text + " more")
+        assert hit is not None
+        assert hit.ids.tolist() == reference("qwen3").encode(text[:hit.cut], add_special_tokens=False).ids
+    finally:
+        gate.set()
+        p.shutdown()

@@ -107,7 +107,8 @@ def fuzz_seed(name: str) -> int:
     """The seed of ``name``'s fuzz run: fixed per file (``zlib.crc32``), so a CI run is reproducible;
     ``TOKTIER_FUZZ_SEED=random`` draws a fresh one (exploration runs; the seed is in the failure message),
     any integer fixes it. Two real engine/reference disagreements (U+1715, U+1ACD under NFC) were found
-    by exploration seeds; each became a regression test in tests/api and a guard-set rule."""
+    by exploration seeds; each became a regression test in tests/engines/test_admission.py and a guard-set
+    rule."""
     env = os.environ.get("TOKTIER_FUZZ_SEED", "")
     if env == "random":
         return random.SystemRandom().randrange(1 << 16)

@@ -2,7 +2,7 @@
 
 References, both computed by the real library:
 
-- 4.57.1: ``tests/integrations/data/hf_compat_4_57.json``, written by ``tests/integrations/real/
+- 4.57.1: ``tests/faces/data/hf_compat_4_57.json``, written by ``tests/faces/real/
   hf_compat_reference.py`` in a venv with ``transformers==4.57.1`` (command and versions inside the file);
   CI installs one transformers (5.x), so 4.57's ids are recorded rather than recomputed.
 - 5.x: the installed ``transformers.AutoTokenizer`` on the same folder, computed in the test.
@@ -18,7 +18,7 @@ import pytest
 
 from .conftest import REPO, auto_tokenizer, hf_ids, tokenizer_file
 
-DATA = json.loads((REPO / "tests" / "integrations" / "data" / "hf_compat_4_57.json").read_text())
+DATA = json.loads((REPO / "tests" / "faces" / "data" / "hf_compat_4_57.json").read_text())
 
 
 def _folder(tmp_path, name, config):

@@ -6,7 +6,7 @@ appended as one JSON line to ``--record`` before the reply, so a test reads what
 reply is ``--reply`` (a text, encoded once with the model's ``tokenizer.json``), one id per response, the
 last with ``finish_reason: "stop"``.
 
-Usage: ``python tests/integrations/dynamo_echo_worker.py --model-path DIR --model-name NAME --record FILE``
+Usage: ``python tests/faces/dynamo_echo_worker.py --model-path DIR --model-name NAME --record FILE``
 (discovery / planes from the ``DYN_*`` environment, as every Dynamo process).
 """
 

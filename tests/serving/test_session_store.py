@@ -139,7 +139,7 @@ def test_memory_per_session_is_bounded_and_charged_honestly(mode):
     import subprocess
     import sys
 
-    code = f"import json, tests.pipeline.test_session_store as m; print(json.dumps(m._replay({mode!r})))"
+    code = f"import json, tests.serving.test_session_store as m; print(json.dumps(m._replay({mode!r})))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])

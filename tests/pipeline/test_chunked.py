@@ -1,4 +1,4 @@
-"""Chunked full encode (``toktier_backend.pipeline.chunked``) against the HF reference, and the shared pool.
+"""Chunked full encode (``toktier_backend.pipeline.chunked``) against the HF reference.
 
 Every chunked result is compared with ``Tokenizer.from_file(path).encode(text, add_special_tokens=...)
 .ids`` (``tests/conftest.py`` ``reference(name)``, loaded independently of our code), on all nine files:
@@ -11,10 +11,8 @@ Chunk sizes are forced small (``chunk_chars`` 64..8K, ``min_chars=0``) so short 
 from __future__ import annotations
 
 import math
-import os
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -23,22 +21,17 @@ import toktier_backend as tt
 from toktier_backend import corpus
 from toktier_backend.pipeline import chunked as parallel
 from toktier_backend.pipeline.chunked import ChunkedEncoder
-from toktier_backend.runtime import pool as runtime_pool
-from toktier_backend.runtime.pool import CHUNK, REPAIR, CpuPool
+from toktier_backend.runtime.pool import CpuPool
 
 from ..conftest import NAMES, load, reference, tokenizer_path
+from .chunked_helpers import make
+
 
 @pytest.fixture(scope="module")
 def pool():
     p = CpuPool(2, name="test-parallel")
     yield p
     p.shutdown()
-
-
-def make(tok, pool=None, *, engine=None, **kw) -> ChunkedEncoder:
-    """A ChunkedEncoder for ``tok``'s engine (or ``engine``), reference, guard set and cuts, on ``pool``."""
-    return ChunkedEncoder(engine or tok.engine, reference=tok.chunked.reference, guard=tok.admission,
-                          cuts=tok.cuts, pool=pool, **kw)
 
 
 class SpyEngine:
@@ -251,44 +244,6 @@ def test_engine_error_sends_only_that_chunk_to_reference(engine, pool, corpus_te
     assert enc.stats["engine_errors"] == enc.stats["reference_chunks"] == 1
 
 
-def test_fastokens_helper_thread_is_off_unless_the_process_asks_and_exact_either_way(corpus_texts):
-    """Importing the engine sets ``FASTOKENS_BPE_THREADS=1`` unless the process set it, so fastokens starts
-    no helper thread and a long text's pieces run on the pool alone (``docs/design/parallel.md``); a value
-    the process set is kept, fastokens' helper thread then runs, and a long text (chunked on the pool,
-    pieces handed partly to that helper) still equals HF's ids. Each case in a fresh process: fastokens
-    reads the variable once per process."""
-    import subprocess
-    import sys
-
-    code = (
-        "import os, sys, tokenizers, toktier_backend as tt\n"
-        "text = open(sys.argv[1], encoding='utf-8').read()\n"
-        "t = tt.load_tokenizer(engine='fastokens')\n"
-        "assert t.chunked.wants(text), len(text)\n"
-        "ids = t.encode(text, add_special_tokens=False).tolist()\n"
-        "want = tokenizers.Tokenizer.from_file(str(tt.default_tokenizer_path()))"
-        ".encode(text, add_special_tokens=False).ids\n"
-        "names = [open(f'/proc/self/task/{x}/comm').read() for x in os.listdir('/proc/self/task')]\n"
-        "print(os.environ['FASTOKENS_BPE_THREADS'], sum(n.startswith('fastokens') for n in names),"
-        " ids == want, t.chunked.stats['chunks'] > 1)\n"
-    )
-    text = corpus.long_session_text(1_200_000)
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"toktier-helper-{os.getpid()}.txt")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    try:
-        for given, want in ((None, "1 0 True True"), ("2", "2 1 True True")):
-            env = {k: v for k, v in os.environ.items() if k != "FASTOKENS_BPE_THREADS"}
-            if given is not None:
-                env["FASTOKENS_BPE_THREADS"] = given
-            out = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True,
-                                 timeout=300)
-            assert out.returncode == 0, out.stderr
-            assert out.stdout.split("\n")[-2] == want, (given, out.stdout, out.stderr)
-    finally:
-        os.unlink(path)
-
-
 def test_lone_surrogate_names_its_index(pool):
     tok = load("gpt2")
     enc = make(tok, pool, chunk_chars=100, min_chars=0)
@@ -340,187 +295,7 @@ def test_pathological_runs(name, pool):
         assert s.append(ch).tolist() == hf_ids(name, text + ch), f"{name}: append to a {ch!r} run"
 
 
-# ---------------------------------------------------------------------------------------------- the pool
-
-
-def test_pool_runs_repairs_before_queued_chunks():
-    p = CpuPool(1, name="test-order")
-    gate = threading.Event()
-    order: list[str] = []
-    first = p.submit(gate.wait, priority=CHUNK)  # occupies the only worker
-    while p.in_flight == 0:
-        time.sleep(0.001)
-    futs = [p.submit(order.append, f"c{i}", priority=CHUNK) for i in range(3)]
-    futs.append(p.submit(order.append, "r0", priority=REPAIR))
-    futs.append(p.submit(order.append, "c3", priority=CHUNK))
-    futs.append(p.submit(order.append, "r1", priority=REPAIR))
-    st = p.stats()
-    assert st["queue_depth"] == 6 and st["in_flight"] == 1
-    assert st["by_priority"]["repair"]["queued"] == 2 and st["by_priority"]["chunk"]["queued"] == 4
-    gate.set()
-    for f in [first, *futs]:
-        f.result(timeout=10)
-    assert order == ["r0", "r1", "c0", "c1", "c2", "c3"]
-    st = p.stats()
-    assert st["queue_depth"] == 0 and st["in_flight"] == 0
-    assert st["by_priority"]["chunk"]["completed"] == 5 and st["by_priority"]["repair"]["completed"] == 2
-    assert st["by_priority"]["repair"]["wait_ms_max"] > 0
-    p.shutdown()
-
-
-def test_express_thread_runs_a_repair_while_every_worker_is_busy():
-    p = CpuPool(1, express=1, nice=5, name="test-express")
-    gate = threading.Event()
-    chunk = p.submit(gate.wait, 10, priority=CHUNK)  # the only general worker is busy
-    while p.in_flight == 0:
-        time.sleep(0.001)
-    queued = p.submit(lambda: threading.current_thread().name, priority=REPAIR)  # a queued repair
-    assert queued.result(timeout=10).startswith("test-express-express")
-    assert not chunk.done()
-    with pytest.raises(TimeoutError):  # an express thread never takes a chunk
-        p.submit(lambda: None, priority=CHUNK).result(timeout=0.2)
-    gate.set()
-    assert chunk.result(timeout=10) is True
-    st = p.stats()
-    assert st["express"] == 1 and st["by_priority"]["repair"]["completed"] == 1
-    assert CpuPool(1, express=1, fifo=True).express == 0  # the FIFO baseline has none
-    p.shutdown()
-
-
-def test_call_runs_a_repair_on_the_callers_thread_and_counts_it():
-    """``CpuPool.call`` runs a repair inline (no hand-off to a pool thread), visible to ``repairs_active``
-    while it runs and in the stats after; a FIFO pool queues it like any task."""
-    p = CpuPool(1, express=1, name="test-inline")
-    seen = p.call(lambda: (threading.current_thread(), p.repairs_active, p.in_flight), priority=REPAIR)
-    assert seen == (threading.current_thread(), 1, 1)
-    assert p.repairs_active == 0 and p.in_flight == 0
-    st = p.stats()["by_priority"]["repair"]
-    assert st["submitted"] == st["completed"] == 1 and st["wait_ms_max"] == 0.0
-    with pytest.raises(KeyError):
-        p.call(lambda: {}["x"])
-    assert p.repairs_active == 0 and p.stats()["by_priority"]["repair"]["completed"] == 2
-    # a queued repair counts while it waits
-    gate = threading.Event()
-    p2 = CpuPool(1, fifo=True, name="test-inline-fifo")
-    blocker = p2.submit(gate.wait, 10)
-    while p2.in_flight == 0:
-        time.sleep(0.001)
-    fut = p2.submit(threading.current_thread, priority=REPAIR)
-    assert p2.repairs_active == 1
-    gate.set()
-    assert fut.result(timeout=10) is not threading.current_thread() and blocker.result(timeout=10)
-    assert p2.call(threading.current_thread, priority=REPAIR) is not threading.current_thread()  # FIFO: queued
-    p.shutdown(), p2.shutdown()
-
-
-def test_fifo_pool_ignores_priority():
-    p = CpuPool(1, fifo=True, name="test-fifo")
-    gate = threading.Event()
-    order: list[str] = []
-    p.submit(gate.wait)
-    while p.in_flight == 0:
-        time.sleep(0.001)
-    futs = [p.submit(order.append, "c0"), p.submit(order.append, "r0", priority=REPAIR)]
-    gate.set()
-    for f in futs:
-        f.result(timeout=10)
-    assert order == ["c0", "r0"]
-    p.shutdown()
-
-
-def test_pool_errors_and_nested_map_do_not_deadlock():
-    p = CpuPool(1, name="test-nested")
-    with pytest.raises(ZeroDivisionError):
-        p.call(lambda: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        p.submit(lambda: 1 / 0, priority=REPAIR).result(timeout=10)
-    # a repair on the only worker that needs a chunked encode: it runs its own chunks
-    nested = p.submit(lambda: p.map(lambda x: x * x, list(range(20))), priority=REPAIR)
-    assert nested.result(timeout=10) == [x * x for x in range(20)]
-    with pytest.raises(ValueError):
-        p.submit(print, priority=7)
-    p.shutdown()
-    with pytest.raises(RuntimeError):
-        p.submit(print)
-
-
-@pytest.mark.parametrize("express", [0, 1])
-def test_repair_submitted_during_long_encode_finishes_first(corpus_texts, express):
-    """The Delta Tokenizer property: a session repair submitted while a long full encode is running
-    finishes before it, waiting at most about one chunk (here a chunk is ~20K chars, ~0.1 ms of the
-    engine; the bound is loose for a loaded CI machine)."""
-    tok = load("qwen3")
-    p = CpuPool(2, express=express, name="test-delta")
-    enc = make(tok, p, chunk_chars=20_000, min_chars=0)
-    enc.prepare()  # (its warm-up is one chunk task per worker)
-    warm = p.stats()["by_priority"]["chunk"]["completed"]
-    text = corpus.long_session_text(3_000_000)
-    n_chunks = len(enc.bounds(text)) - 1
-    assert n_chunks >= 100
-    s = tok.session(add_special_tokens=False)
-    s.update("".join(corpus_texts)[:50_000])
-    done: dict[str, float] = {}
-
-    def long_encode():
-        enc.encode(text)
-        done["encode"] = time.perf_counter()
-
-    t = threading.Thread(target=long_encode)
-    t.start()
-    while p.stats()["by_priority"]["chunk"]["completed"] < warm + 4:  # the encode is under way
-        time.sleep(0.0005)
-    t0 = time.perf_counter()
-    ids = p.call(s.append, "\n<|im_start|>user\nnext turn, please<|im_end|>\n", priority=REPAIR)
-    done["repair"] = time.perf_counter()
-    t.join()
-    assert s.last_repair.route == "append" and len(ids) > 0
-    assert done["repair"] < done["encode"], "the repair waited for the whole encode"
-    st = p.stats()
-    assert st["by_priority"]["repair"]["completed"] == 1
-    assert st["by_priority"]["chunk"]["completed"] == warm + n_chunks
-    # it overtook the queued chunks: far fewer than all of them ran before it
-    assert st["by_priority"]["repair"]["wait_ms_max"] < (done["encode"] - t0) * 1e3
-    p.shutdown()
-
-
-def test_shared_pool_is_one_per_process():
-    assert runtime_pool.shared_pool() is runtime_pool.shared_pool()
-    assert make(load("gpt2")).pool is runtime_pool.shared_pool()
-
-
-def test_pool_nice_lowers_only_worker_threads():
-    import os
-
-    p = CpuPool(1, nice=5, name="test-nice")
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    worker_nice = p.call(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), priority=CHUNK)
-    assert worker_nice == min(19, base + 5)
-    assert os.getpriority(os.PRIO_PROCESS, 0) == base
-    p.shutdown()
-
-
-@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2,
-                    reason="pinning needs sched_getaffinity and 2+ CPUs")
-def test_pin_holds_chunk_workers_on_distinct_cpus_only_while_they_run_chunks():
-    cpus = sorted(os.sched_getaffinity(0))
-    p = CpuPool(2, express=1, pin=True, name="test-pin")
-    assert p.pin
-    seen: dict[str, set[int]] = {}
-    barrier = threading.Barrier(2)
-
-    def chunk_task(_):
-        barrier.wait(timeout=10)  # both workers hold a chunk at once
-        seen[threading.current_thread().name] = os.sched_getaffinity(0)
-        return True
-
-    p.map(chunk_task, [0, 1], priority=CHUNK)
-    assert sorted(seen.values(), key=min) == [{cpus[0]}, {cpus[1]}]  # one CPU each, distinct
-    # a repair is never pinned (the express thread, or a general worker); after a chunk, the whole set again
-    for _ in range(4):
-        assert p.submit(lambda: os.sched_getaffinity(0), priority=REPAIR).result(timeout=10) == set(cpus)
-    assert os.sched_getaffinity(0) == set(cpus)  # the caller's own affinity is untouched
-    p.shutdown()
-    assert not CpuPool(2).pin and not CpuPool(1, pin=True).pin
+# ---------------------------------------------------------------------------------------------- on the pool
 
 
 def test_default_step_is_one_chunk_per_worker_up_to_chunk_chars():
@@ -634,17 +409,6 @@ def test_lone_surrogate_on_every_route_is_invalid_request(corpus_text, monkeypat
         tok.encode(base[:30_000] + "\ud800" + base[30_000:])
 
 
-def test_run_on_each_worker_runs_once_on_every_worker():
-    p = CpuPool(3, express=1, name="test-each")
-    try:
-        names = p.run_on_each_worker(lambda: threading.current_thread().name)
-        assert sorted(names) == [f"test-each-worker-{i}" for i in range(3)]
-        with pytest.raises(RuntimeError, match="from one of its workers"):
-            p.call(lambda: p.run_on_each_worker(lambda: None), priority=CHUNK)
-    finally:
-        p.shutdown()
-
-
 def test_prepare_warms_the_engine_on_every_pool_worker_once_per_pool():
     """An engine's first call on a thread builds per-thread state; ``prepare`` makes that call on each worker
     (``docs/design/parallel.md``): every worker encodes once, a new pool is warmed again, and the ids of a
@@ -675,37 +439,3 @@ def test_prepare_warms_the_engine_on_every_pool_worker_once_per_pool():
         p.shutdown()
 
 
-def test_prefix_indexer_waits_while_chunks_run_and_lookups_do_not_wait_for_it(corpus_texts, monkeypatch):
-    """The background indexer calls ``yield_to`` before each chunk (the tokenizer passes its pool's
-    ``wait_chunks_idle``): while a chunk task runs, no chunk of a queued insert is hashed; once the pool is
-    idle the insert completes, and its chain serves a later lookup exactly."""
-    from toktier_backend.pipeline import prefix_index
-
-    monkeypatch.setattr(prefix_index, "YIELD_S", 30.0)  # (shipped: at most 50 ms per chunk)
-    tok = tt.load_tokenizer(tokenizer_path("qwen3"))
-    idx = tok.prefix_index
-    p = CpuPool(1, name="test-yield")
-    tok.chunked.pool = p
-    hashed: list[bool] = []
-    real = idx.digest
-    idx.digest = lambda parent, chunk: hashed.append(p.wait_chunks_idle(0)) or real(parent, chunk)
-    gate = threading.Event()
-    try:
-        blocker = p.submit(gate.wait, 10, priority=CHUNK)  # a chunk task "runs"
-        text = "".join(corpus_texts)[:200_000]
-        body, _ = tok.encode_fresh(text)
-        assert not p.wait_chunks_idle(0)
-        time.sleep(0.2)
-        assert hashed == []  # the indexer waits
-        t0 = time.perf_counter()
-        assert idx.lookup(text + "x") is None  # not indexed yet, and the lookup did not wait on the insert
-        assert time.perf_counter() - t0 < 0.05
-        gate.set()
-        blocker.result(timeout=10)
-        idx.drain()
-        assert hashed and all(hashed)  # every chunk hashed with no chunk task queued or running
-        hit = idx.lookup(text + " more")
-        assert hit is not None and hit.ids.tolist() == hf_ids("qwen3", text[:hit.cut])
-    finally:
-        gate.set()
-        p.shutdown()

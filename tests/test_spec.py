@@ -1,8 +1,9 @@
-"""Loading is safe and strict: JSON only (no pickle, no remote code), clear errors, optional sha256 pin."""
+"""Loading a tokenizer.json (``toktier_backend.spec``: ``resolve_path``, ``load_spec``) is safe and strict:
+JSON only (no pickle, no remote code), clear errors naming the file and line. The sha256 pin is
+``load_tokenizer``'s (``test_tokenizer.py``)."""
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 import re
 from pathlib import Path
@@ -11,15 +12,16 @@ import pytest
 
 import toktier_backend as tt
 
-GPT2 = tt.default_tokenizer_path()
 PACKAGE = Path(tt.__file__).parent
 
 
-def test_sha256_pin():
-    digest = hashlib.sha256(GPT2.read_bytes()).hexdigest()
-    assert tt.load_tokenizer(GPT2, sha256=digest.upper()).encode("hello world").tolist() == [31373, 995]
-    with pytest.raises(tt.UnsupportedTokenizer, match=r"sha256 [0-9a-f]{64} is not the pinned '0+'.*tokenizer_sha256"):
-        tt.load_tokenizer(GPT2, sha256="0" * 64)
+def test_malformed_and_missing_files(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": {"type": "BPE",\n oops}')
+    with pytest.raises(tt.UnsupportedTokenizer, match="line 2"):
+        tt.load_tokenizer(bad)
+    with pytest.raises(tt.UnsupportedTokenizer):
+        tt.load_tokenizer(tmp_path / "nothing-here")
 
 
 def test_malformed_json_names_file_line_and_column(tmp_path):

@@ -15,7 +15,7 @@ import toktier_backend as tt
 from toktier_backend.faces import triton_io
 from toktier_backend.faces.triton import Handler, SessionStore
 
-from .conftest import BUNDLED, REPO, hf_ids
+from ..serving.conftest import BUNDLED, REPO, hf_ids
 
 
 class FakeClock:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from tests.integrations.conftest import REPO, SHARED, require, tokenizer_file
+from tests.faces.conftest import REPO, SHARED, require, tokenizer_file
 
 MODEL = "qwen3"
 ECHO_REPLY = "Hello from the echo worker."
@@ -160,7 +160,7 @@ class Stack:
 
     def start_engine(self) -> None:
         if self.engine == "echo":
-            args = [sys.executable, str(REPO / "tests" / "integrations" / "dynamo_echo_worker.py"),
+            args = [sys.executable, str(REPO / "tests" / "faces" / "dynamo_echo_worker.py"),
                     "--model-path", str(self.model_dir), "--model-name", MODEL, "--record", str(self.record),
                     "--reply", ECHO_REPLY]
         else:

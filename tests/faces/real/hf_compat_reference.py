@@ -1,10 +1,10 @@
-"""Write tests/integrations/data/hf_compat_4_57.json: ids transformers' AutoTokenizer returns for the shared
+"""Write tests/faces/data/hf_compat_4_57.json: ids transformers' AutoTokenizer returns for the shared
 llama3_1 tokenizer.json under tokenizer_config.json variants (LlamaTokenizerFast, add_bos_token /
 add_eos_token). Run with the transformers under test in its own venv, e.g.
 
     python3 -m venv /tmp/tf457 && /tmp/tf457/bin/pip install -q transformers==4.57.1
-    /tmp/tf457/bin/python tests/integrations/real/hf_compat_reference.py ../shared/tokenizers/llama3_1/tokenizer.json \
-        > tests/integrations/data/hf_compat_4_57.json
+    /tmp/tf457/bin/python tests/faces/real/hf_compat_reference.py ../shared/tokenizers/llama3_1/tokenizer.json \
+        > tests/faces/data/hf_compat_4_57.json
 """
 
 import json
