@@ -75,7 +75,7 @@ class GigatokenEngine:
         thread with the GIL released and a shared borrow (any number of threads at once), and one row
         needs no padding. Checked equal to ``Tokenizer.encode`` on the canary and on every guard-set probe
         text (all 1,112,064 scalar values in four contexts) of the nine files in ``shared/tokenizers``, so
-        the guard tables computed with ``Tokenizer.encode`` hold for it; ``tests/parallel`` compares it
+        the guard tables computed with ``Tokenizer.encode`` hold for it; ``tests/pipeline/test_chunked.py`` compares it
         with HF. Passing ``bytes`` skips gigatoken's own UTF-8 conversion, which runs under the GIL
         (``docs/design/parallel.md``). Concurrent callers each take a Rust tokenizer object of
         their own (:meth:`reserve`); beyond those they share one, which gigatoken serializes.

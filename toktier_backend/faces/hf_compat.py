@@ -17,7 +17,7 @@ config whose flags disagree with the file, 4.57.1 gives ``[15339, 1917, 128009]`
 ``add_bos_token: false, add_eos_token: true``) where the file gives ``[128000, 15339, 1917]``: the reference
 for a drop-in is what the pinned version returns. :func:`derived_file` writes the file 4.57 encodes with;
 ids are then exact against HF ``tokenizers`` on that file. The rules above were read from transformers
-4.57.1 and are checked against ids it computed (``tests/integrations/data/hf_compat_4_57.json``).
+4.57.1 and are checked against ids it computed (``tests/faces/data/hf_compat_4_57.json``).
 
 Versions (the model parameter ``hf_compat``): ``"4.57"`` (rules above; other tokenizer classes are kept as
 written), ``"5"`` or ``"none"`` (the file as written).

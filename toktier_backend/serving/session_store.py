@@ -3,7 +3,7 @@ and one LRU order (shared with the tokenizer's prefix index), and START/END sema
 
 Memory is counted honestly: each entry costs ``Session.nbytes`` (text blocks as ``sys.getsizeof`` counts
 them, the id/offset arrays at their capacity) plus :data:`ENTRY_OVERHEAD` for the Python objects around them
-(bounded by a ``tracemalloc`` test in ``tests/pipeline/test_session_store.py``). When the total passes the
+(bounded by a ``tracemalloc`` test in ``tests/serving/test_session_store.py``). When the total passes the
 budget, the least recently used sessions are evicted; a session that alone is over the budget is evicted
 right after its reply. An evicted or unknown session is rebuilt exactly from the whole text of the next
 ``MODE=full`` request; a ``MODE=delta`` request for it gets ``UnknownSession`` (NOT_FOUND) asking for the
