@@ -719,7 +719,9 @@ class ServingCore:
         keep = 0 if fresh or repair is None else int(repair.reused)
         route = "new" if repair is None else str(repair.route)
         n = len(ids)
-        out = np.array(ids[keep:] if reply == "patch" else ids, dtype=np.int32)  # a copy: the view dies next call
+        # a copy owned by the reply: a face or Triton that still held a view of the session buffer when the
+        # next request of the session arrives would make that splice copy the whole buffer (copy-on-write)
+        out = np.array(ids[keep:] if reply == "patch" else ids, dtype=np.int32)
         if self.metrics is not None:
             self.metrics.observe_reply(origin, mode, route, time.perf_counter() - t0, repair)
         if self.verifier is not None and self.verifier.wants():
