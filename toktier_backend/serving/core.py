@@ -23,6 +23,10 @@ the reply to the verifier, and counts it. Calls:
   session its prefix finds (texts of at least ``min_prefix_chars``), else a stateless encode. A session in
   use by another request is not waited for: that request gets a plain encode (route ``busy``).
 - :meth:`ServingCore.encode_stateless`: one text, no session (on a GPU model instance: the GPU router).
+- :meth:`ServingCore.chat`: a chat request (``messages``): the conversation's ``ChatSession`` (held in the
+  same store entry as its tokenizer session) renders the core's chat template incrementally, then the
+  tokenizer session is advanced from the render's departure. Sampled renders are re-rendered by the jinja2
+  reference on the verifier thread; a mismatch quarantines incremental rendering of the template.
 
 Every id returned equals HF ``Tokenizer.from_file(path).encode(text, add_special_tokens=flag).ids``: the
 session and the prefix match only decide how much is re-encoded.
@@ -35,9 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import marshal
+import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
 
 import numpy as np
 
@@ -49,10 +55,11 @@ from toktier_backend.serving.metrics import Metrics, Origin, get_metrics
 from toktier_backend.serving.session_store import (
     DEFAULT_CHECKPOINT_CHARS,
     DEFAULT_SESSION_TTL_S,
+    PrefixKey,
     SessionEntry,
     SessionStore,
 )
-from toktier_backend.serving.verifier import Verifier
+from toktier_backend.serving.verifier import ChatCheck, Verifier, chat_template_key
 from toktier_backend.tokenizer import Tokenizer, decode_text, load_tokenizer
 
 if TYPE_CHECKING:  # the GPU package is imported only by a GPU model instance
@@ -92,6 +99,8 @@ class Reply:
             (stateless) or ``busy`` (the session was in use: plain encode).
         session: ``"key"``, ``"prefix"`` or ``None`` (no session).
         fresh: the session was opened by this request (faces that report ``new`` use it).
+        render: a chat request's template render route (``incremental`` or ``full:<reason>``); ``None`` for
+            a text.
     """
 
     ids: np.ndarray
@@ -100,6 +109,7 @@ class Reply:
     route: str
     session: str | None = None
     fresh: bool = False
+    render: str | None = None
 
     @property
     def shown_route(self) -> str:
@@ -132,6 +142,10 @@ class CoreConfig:
             per core) and ``pool_express`` / ``pool_nice`` / ``pool_pin`` (``runtime/pool.py``).
         chunk_chars, parallel_min_chars: the tokenizer's chunked full encode (``None``: its defaults).
         gpu_engine, gpu_crossover_chars, gpu_max_queue: a GPU model instance's router (``gpu/routing.py``).
+        chat_template: the chat template of :meth:`ServingCore.chat`: a file (``.jinja``, or ``.json`` holding
+            ``chat_template``) or the jinja source; ``""``: the one beside the tokenizer
+            (``chat/template.py`` ``load_chat_template``: ``chat_template.jinja``, ``chat_template.json``,
+            ``tokenizer_config.json``).
     """
 
     tokenizer: str = "default"
@@ -157,6 +171,7 @@ class CoreConfig:
     gpu_engine: str = "auto"
     gpu_crossover_chars: int | None = None
     gpu_max_queue: int = 4
+    chat_template: str = ""
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], **overrides) -> "CoreConfig":
@@ -168,7 +183,8 @@ class CoreConfig:
         ``verifier_queue``, ``verifier_debug``, ``quarantine_file``, ``pool_workers`` (unset: the process-wide
         pool as it is; 0 = replace it with one worker per core),
         ``pool_express``, ``pool_nice``, ``pool_pin``, ``chunk_chars`` (0 = the encoder's default),
-        ``parallel_min_chars``, ``gpu_engine`` (``auto`` | ``off``), ``gpu_crossover_chars``, ``gpu_max_queue``.
+        ``parallel_min_chars``, ``gpu_engine`` (``auto`` | ``off``), ``gpu_crossover_chars``, ``gpu_max_queue``,
+        ``chat_template`` (a file or the source; unset: the one beside the tokenizer).
         A value still holding an unfilled ``${...}`` template counts as unset.
 
         Raises:
@@ -216,6 +232,7 @@ class CoreConfig:
             gpu_engine=gpu_mode,
             gpu_crossover_chars=num("gpu_crossover_chars", None),
             gpu_max_queue=num("gpu_max_queue", d.gpu_max_queue),
+            chat_template=raw("chat_template") or "",
         )
         values.update(overrides)
         return cls(**values)
@@ -244,9 +261,16 @@ class ServingCore:
             it too.
         router: a GPU model instance's ``GpuRouter``: stateless encodes of fresh texts go through it (GPU
             above its crossover, else the CPU); ``None``: the tokenizer's own encode.
+        chat_template: jinja source of the chat template :meth:`chat` renders (``None``: chat requests are
+            refused; :meth:`from_config` loads the one beside the tokenizer).
+        special_tokens: the template's ``bos_token``, ``eos_token``, ... (``config.special_tokens``).
+        chat_session: the class (or factory) of a conversation's renderer, called as
+            ``chat_session(source, special_tokens, fast_full=False, plan=plan, full_renderer=renderer)``
+            (default ``chat.session.ChatSession``).
 
     Raises:
         ValueError: ``max_text_bytes`` <= 0, or a bad store setting.
+        UnsupportedTokenizer: the chat template does not compile.
     """
 
     def __init__(
@@ -265,6 +289,9 @@ class ServingCore:
         metrics: Metrics | None = None,
         pool: CpuPool | None = None,
         router: "GpuRouter | None" = None,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_session: Callable[..., Any] | None = None,
     ):
         if max_text_bytes <= 0:
             raise ValueError(f"max_text_bytes must be > 0, got {max_text_bytes!r}")
@@ -301,6 +328,9 @@ class ServingCore:
             chunked.prepare()  # engine objects for the pool's workers: at load, not on a request
         if verifier is not None and metrics is not None and verifier.on_result is None:
             verifier.on_result = self._on_sample
+        self.chat_template: ChatTemplate | None = None
+        if chat_template:
+            self.chat_template = ChatTemplate(chat_template, special_tokens, session_class=chat_session)
 
     @classmethod
     def from_config(cls, config: CoreConfig, *, tokenizer: Tokenizer | None = None,
@@ -320,7 +350,9 @@ class ServingCore:
             sweeper: start the idle-session sweeper thread (:meth:`start_sweeper`).
 
         Raises:
-            UnsupportedTokenizer: the file cannot be served (malformed, unsupported, not the pinned one).
+            UnsupportedTokenizer: the file cannot be served (malformed, unsupported, not the pinned one), or
+                ``config.chat_template`` names a template that cannot be read or compiled (one found beside
+                the tokenizer that cannot be is logged, and chat requests are refused).
         """
         c = config
         if c.pool_workers is not None:
@@ -358,10 +390,12 @@ class ServingCore:
             verifier = Verifier(tokenizer, rate=c.verifier_rate, first_n=c.verifier_first_n,
                                 queue_size=c.verifier_queue, debug=c.verifier_debug,
                                 quarantine_file=c.quarantine_file or str(default_quarantine_file()), name=str(spec))
+        template, special = _load_chat_template(tokenizer, c.chat_template)
         core = cls(tokenizer, name=str(spec), max_text_bytes=c.max_text_bytes, session_ttl_s=c.session_ttl_s,
                    session_budget_bytes=c.session_budget_bytes, max_sessions=c.max_sessions,
                    min_prefix_chars=c.min_prefix_chars, checkpoint_chars=c.checkpoint_chars, clock=clock,
-                   verifier=verifier, metrics=metrics, pool=pool, router=router)
+                   verifier=verifier, metrics=metrics, pool=pool, router=router, chat_template=template,
+                   special_tokens=special)
         core.gpu_status = None if gpu_device is None else (router.gpu_status if router is not None else "off")
         if sweeper:
             core.start_sweeper()
@@ -610,6 +644,249 @@ class ServingCore:
         self._refresh(origin, sessions=False)
         return out
 
+    # ------------------------------------------------------------ chat
+
+    def chat(
+        self,
+        origin: Origin,
+        messages: list[Mapping[str, Any]],
+        *,
+        key: Key | None = None,
+        tools: list[Any] | None = None,
+        documents: list[Any] | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
+        reply: str | bytes | None = None,
+        start: bool = False,
+        end: bool = False,
+        wait: bool = False,
+    ) -> Reply:
+        """Ids of a chat request: ``messages`` rendered with the core's chat template, then encoded, as
+        transformers' ``apply_chat_template(messages, tokenize=True, ...)`` does.
+
+        The conversation's :class:`~toktier_backend.chat.session.ChatSession` lives in the store entry of
+        its tokenizer session (one TTL, LRU order and byte budget; evicted and ended together). It renders
+        only what changed since the conversation's previous request; the tokenizer session then appends the
+        render's delta when the new text extends the old one, else is updated to the new text
+        (:meth:`_chat_advance`). Found by ``key``, else by the conversation's first two messages (a
+        fingerprint held by :meth:`SessionStore.find_chat`); with neither, a conversation whose message
+        contents are shorter than ``min_prefix_chars`` is rendered in full and encoded without a session.
+        While the shadow verifier holds the template's incremental rendering in quarantine, every request
+        is rendered in full (route ``full:quarantined``).
+
+        Args:
+            origin: the face and model, for the metrics.
+            messages: OpenAI-style ``{"role", "content", ...}`` dicts (parsed JSON).
+            key: the conversation's key (correlation ID, header value, body field); ``None``, ``0``, ``""``:
+                none.
+            tools, documents, add_generation_prompt, continue_final_message: as ``apply_chat_template``.
+            chat_template_kwargs: more template variables (``enable_thinking``, ...); may override the
+                special tokens, not the names above.
+            add_special_tokens: HF ``add_special_tokens`` of the encode (default ``False``: the template
+                writes the special tokens, as ``apply_chat_template(tokenize=True)`` encodes).
+            reply: ``"full"`` (default) or ``"patch"`` (ids from ``keep`` on).
+            start: drop what ``key`` held first (Triton's sequence START).
+            end: free the session of ``key`` after this request, even if it fails.
+            wait: a keyed session in use by another request is waited for (Triton's sequence order);
+                ``False``: that request is rendered in full and encoded without a session (``busy``).
+
+        Returns:
+            :class:`Reply`; ``render`` is the render route (``incremental`` or ``full:<reason>``,
+            ``toktier_chat_renders_total``). The ids equal HF ``Tokenizer.from_file(path).encode(text,
+            add_special_tokens=flag).ids`` of ``text`` = the jinja2 reference render
+            (``chat.template.ChatRenderer``, transformers-compatible).
+
+        Raises:
+            InvalidRequest: the core has no chat template, malformed messages or options, the template
+                refused the request, or the rendered text is over ``max_text_bytes`` or not encodable. A
+                held session is left as it was (its renderer may have advanced: the next request then
+                updates the tokenizer session from the whole text).
+        """
+        t0 = time.perf_counter()
+        flag = bool(add_special_tokens)
+        if key is not None and (isinstance(key, bool) or key in (0, "")):
+            key = None
+        self._local.origin = origin
+        quarantined = False
+        try:
+            self._sync()
+            if start and key is not None and self.store.get(key, touch=False) is not None:
+                self.store.pop(key, "start")
+            reply = _choice("REPLY", reply, REPLIES)
+            if key is not None:
+                _check_key(key)
+            tpl = self.chat_template
+            if tpl is None:
+                raise InvalidRequest(
+                    f"this server has no chat template for tokenizer {self.name}: put tokenizer_config.json (with "
+                    f"chat_template) or chat_template.jinja beside tokenizer.json, or set the chat_template "
+                    f"parameter (a file or the template); or send the rendered TEXT instead."
+                )
+            options = _chat_options(tools, documents, add_generation_prompt, continue_final_message,
+                                    chat_template_kwargs)
+            quarantined = self.verifier is not None and tpl.key in self.verifier.chat_quarantined
+            if key is not None:
+                out = self._chat_keyed(origin, tpl, key, messages, options, flag, reply, wait, quarantined, t0)
+            else:
+                out = self._chat_unkeyed(origin, tpl, messages, options, flag, reply, quarantined, t0)
+        except Exception as e:
+            self._count_error(origin, e)
+            raise
+        finally:
+            if end and key is not None:
+                self.store.pop(key)
+            self._local.origin = None
+        self._refresh(origin, sessions=True)
+        if self.metrics is not None:
+            self.metrics.set_chat_quarantined(origin, quarantined)
+        return out
+
+    def _chat_keyed(self, origin: Origin, tpl: "ChatTemplate", key: Key, messages, options: dict, flag: bool,
+                    reply: str, wait: bool, quarantined: bool, t0: float) -> Reply:
+        self.store.expire()
+        while True:
+            entry = self.store.get(key)
+            if entry is None or entry.add_special_tokens != flag:
+                # held only once its first request succeeded: a failed one leaves the store as it was
+                new = SessionEntry(self.tokenizer.session(add_special_tokens=flag), flag, 0, self.store.now())
+                with new.lock:
+                    return self._chat_run(origin, tpl, key, new, messages, options, reply, quarantined, t0,
+                                          fresh=True)
+            if not entry.lock.acquire(blocking=wait):
+                return self._chat_stateless(origin, tpl, messages, options, flag, t0,
+                                            "quarantined" if quarantined else "busy")
+            try:
+                if not self.store.holds(key, entry):
+                    continue  # ended, evicted or replaced while this request waited: look again
+                return self._chat_run(origin, tpl, key, entry, messages, options, reply, quarantined, t0)
+            finally:
+                entry.lock.release()
+
+    def _chat_unkeyed(self, origin: Origin, tpl: "ChatTemplate", messages, options: dict, flag: bool, reply: str,
+                      quarantined: bool, t0: float) -> Reply:
+        self.store.expire()
+        fp = _chat_fingerprint(flag, messages)
+        found = self.store.find_chat(fp) if fp is not None else None
+        if found is None:
+            if fp is None or _content_chars(messages, self.min_prefix_chars) < self.min_prefix_chars:
+                return self._chat_stateless(origin, tpl, messages, options, flag, t0,
+                                            "quarantined" if quarantined else "no_session")
+            key = self.store.new_prefix_key()
+            entry = SessionEntry(self.tokenizer.session(add_special_tokens=flag), flag, 0, self.store.now())
+            with entry.lock:
+                return self._chat_run(origin, tpl, key, entry, messages, options, reply, quarantined, t0,
+                                      fresh=True, fingerprint=fp)
+        key, entry = found
+        if not entry.lock.acquire(blocking=False):
+            return self._chat_stateless(origin, tpl, messages, options, flag, t0,
+                                        "quarantined" if quarantined else "busy")
+        try:
+            if not self.store.holds(key, entry):
+                return self._chat_stateless(origin, tpl, messages, options, flag, t0,
+                                            "quarantined" if quarantined else "busy")
+            return self._chat_run(origin, tpl, key, entry, messages, options, reply, quarantined, t0)
+        finally:
+            entry.lock.release()
+
+    @staticmethod
+    def _chat_advance(render, text_bytes: int, synced: bool) -> tuple[Callable, int]:
+        """How the tokenizer session follows a render: ``(update, size)``, ``update(session) -> ids`` and the
+        new text's size in UTF-8 bytes.
+
+        ``synced``: the session's text is the chat session's previous render (no other request, no failed
+        step since). Then a render that extends it is an ``append(delta)`` (exact by definition of
+        ``departure``). Otherwise ``update(text)``, which finds the departure again by comparing texts.
+
+        Raises:
+            InvalidRequest: the text holds a lone surrogate (UTF-8 cannot encode it).
+        """
+        if synced and render.extends_previous:
+            delta = render.delta
+            return (lambda s: s.append(delta)), text_bytes + _utf8_size(delta)
+        text = render.text
+        # The one call site where the departure is known but not used: with ``synced`` this becomes
+        # ``s.splice(render.departure, render.delta)`` once ``Session.splice`` exists (no O(n) compare).
+        return (lambda s: s.update(text)), _utf8_size(text)
+
+    def _chat_run(self, origin: Origin, tpl: "ChatTemplate", key: Key, entry: SessionEntry, messages, options: dict,
+                  reply: str, quarantined: bool, t0: float, *, fresh: bool = False,
+                  fingerprint: Hashable | None = None) -> Reply:
+        """Render (incrementally, or in full while quarantined), advance the tokenizer session on the pool at
+        REPAIR priority, hold and charge the entry, sample, count. The caller holds ``entry.lock``."""
+        synced = entry.chat is not None and entry.chat_synced == entry.requests
+        if quarantined:
+            render = _FullRender(tpl.full_renderer().render(messages, **options), "full:quarantined")
+            chat = None  # its records no longer describe the session's text: dropped, rebuilt when released
+            synced = False
+        else:
+            chat = entry.chat if entry.chat is not None else tpl.session()
+            render = chat.render(messages, **options)  # InvalidRequest: the chat session is unchanged
+        entry.chat_synced = -1  # until this step has succeeded
+        update, size = self._chat_advance(render, entry.text_bytes, synced)
+        if size > self.max_text_bytes:
+            raise InvalidRequest(
+                f"the rendered prompt is {size} bytes, over max_text_bytes={self.max_text_bytes} (tokenizer "
+                f"{self.name}). Shorten the conversation or raise the model parameter max_text_bytes."
+            )
+        try:
+            ids = self.pool.call(update, entry.session, priority=runtime_pool.REPAIR)
+        except InvalidRequest:
+            raise  # the tokenizer keeps the session unchanged on a bad request
+        except BaseException:
+            with self.store.lock:
+                if not fresh and self.store.holds(key, entry):
+                    self.store.pop(key, "error")  # possibly half-updated: the next request starts afresh
+            raise
+        chars = render.departure + len(render.delta)
+        width = max(entry.chat_width if chat is not None and chat is entry.chat else 1, _char_width(render.delta))
+        with self.store.lock:
+            entry.chat, entry.chat_width = chat, width
+            entry.text_bytes = size
+            entry.last_used = self.store.now()
+            entry.requests += 1
+            entry.chat_synced = entry.requests if chat is not None else -1
+            entry.chat_nbytes = chat_nbytes(chars, entry.chat_width, len(messages)) if chat is not None else 0
+            if fresh:
+                self.store.put(key, entry)  # (may evict least recently used sessions, or this one)
+            else:
+                self.store.account(key)
+            if fingerprint is not None:
+                self.store.index_chat(key, fingerprint)
+        repair = getattr(entry.session, "last_repair", None)
+        keep = 0 if fresh or repair is None else int(repair.reused)
+        route = "new" if repair is None else str(repair.route)
+        out = np.array(ids[keep:] if reply == "patch" else ids, dtype=np.int32)  # owned by the reply
+        if self.metrics is not None:
+            self.metrics.observe_reply(origin, "chat", route, time.perf_counter() - t0, repair)
+            self.metrics.observe_chat_render(origin, render.route)
+        if self.verifier is not None and self.verifier.wants():
+            self.verifier.submit(render.text, out if reply == "full" else entry.session.ids,
+                                 add_special_tokens=entry.add_special_tokens, route=route,
+                                 cut=int(getattr(repair, "cut", 0) or 0), engine=str(getattr(repair, "engine", "")),
+                                 tag=origin, chat=tpl.check(messages, options, render.route))
+        kind = "prefix" if fingerprint is not None or isinstance(key, PrefixKey) else "key"
+        return Reply(out, len(ids), keep, route, kind, fresh, render.route)
+
+    def _chat_stateless(self, origin: Origin, tpl: "ChatTemplate", messages, options: dict, flag: bool, t0: float,
+                        reason: str) -> Reply:
+        """A full render (minijinja where its canary admitted the template, else jinja2) and a plain encode,
+        no session: ``reason`` is ``no_session``, ``busy`` or ``quarantined``."""
+        text = tpl.full_renderer().render(messages, **options)
+        value, _ = self._text(text, None, "the rendered prompt")
+        ids = np.asarray(self.tokenizer.encode(value, add_special_tokens=flag), dtype=np.int32)
+        route = "busy" if reason == "busy" else "encode"
+        render_route = "full:" + reason
+        if self.metrics is not None:
+            self.metrics.observe_reply(origin, "chat", route, time.perf_counter() - t0)
+            self.metrics.observe_chat_render(origin, render_route)
+        if self.verifier is not None and self.verifier.wants():
+            self.verifier.submit(value, ids, add_special_tokens=flag, route="encode",
+                                 engine=str(getattr(self.tokenizer.engine, "name", "")), tag=origin,
+                                 chat=tpl.check(messages, options, render_route))
+        return Reply(ids, len(ids), 0, route, None, False, render_route)
+
     def drop(self, key: Key) -> bool:
         """Free the session of ``key`` (END without a request); ``False`` if none was held."""
         return self.store.pop(key) is not None
@@ -847,6 +1124,203 @@ class ServingCore:
             raise InvalidRequest(f"{where}{e} (tokenizer {self.name})") from e
 
 
+# ---------------------------------------------------------------- chat templates
+
+
+CHAT_COPIES = 3
+"""Copies of the rendered text a chat session keeps, as an upper bound for the byte budget: the message
+snapshots (their strings), the records' rendered pieces, and the joined text of the last render (bounded by
+a ``tracemalloc`` test in ``tests/serving/test_chat_core.py``)."""
+
+CHAT_MESSAGE_BYTES = 2048
+"""Bytes per message a chat session keeps beyond its strings: two dicts (snapshot and prepared copy), the
+record of each loop, list slots (same test)."""
+
+CHAT_OVERHEAD = 64 * 1024
+"""Bytes per chat session beyond its messages: the session, its plan's per-session objects, the recording
+namespace class (same test)."""
+
+
+def chat_nbytes(chars: int, width: int, messages: int) -> int:
+    """Bytes charged for a chat session whose last render was ``chars`` chars of ``width`` bytes per char
+    (1, 2 or 4: CPython's compact strings) over ``messages`` messages."""
+    return CHAT_COPIES * width * chars + CHAT_MESSAGE_BYTES * messages + CHAT_OVERHEAD
+
+
+class ChatTemplate:
+    """A core's chat template: the jinja2 reference (compiled at load), and, on first use, the analysis
+    (``chat.analysis.analyze``) and the minijinja admission (``chat.fast.admit``) shared by every
+    conversation's ``ChatSession``.
+
+    Args:
+        source: jinja source.
+        special_tokens: the template's ``bos_token``, ``eos_token``, ...
+        session_class: the conversation renderer's class (default ``chat.session.ChatSession``).
+
+    Raises:
+        UnsupportedTokenizer: the template does not compile.
+    """
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None, *,
+                 session_class: Callable[..., Any] | None = None):
+        from toktier_backend.chat.template import ChatRenderer
+
+        self.source = source
+        self.reference = ChatRenderer(source, special_tokens)
+        self.special_tokens = dict(self.reference.special_tokens)
+        self.key = chat_template_key(source)
+        self.session_class = session_class
+        self._lock = threading.Lock()
+        self._plan = None
+        self._full = None
+
+    def _prepare(self) -> None:
+        with self._lock:
+            if self._plan is not None:
+                return
+            from toktier_backend.chat.analysis import analyze
+            from toktier_backend.chat.fast import admit
+
+            full = admit(self.source, self.special_tokens).renderer
+            self._full = full if full is not None else self.reference
+            self._plan = analyze(self.source)
+
+    def full_renderer(self):
+        """The full renderer: minijinja where its canary admitted the template, else the jinja2 reference
+        (``render(messages, **options) -> str``; thread-safe)."""
+        if self._plan is None:
+            self._prepare()
+        return self._full
+
+    def session(self):
+        """A new conversation renderer (``ChatSession``) sharing this template's analysis and full renderer."""
+        if self._plan is None:
+            self._prepare()
+        cls = self.session_class
+        if cls is None:
+            from toktier_backend.chat.session import ChatSession as cls
+        return cls(self.source, self.special_tokens, fast_full=False, plan=self._plan, full_renderer=self._full)
+
+    def check(self, messages, options: dict, route: str) -> ChatCheck:
+        """What the verifier needs to re-render a sampled request: plain copies (the caller may reuse its
+        dicts), the jinja2 reference (``ChatSession.full_render`` renders with the same one)."""
+        from toktier_backend.chat.template import plain
+
+        return ChatCheck(self.reference.render, plain(messages), plain(options), self.key, route)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FullRender:
+    """A whole-text render in ``ChatRender``'s shape (the quarantined path): it never extends anything."""
+
+    text: str
+    route: str
+    departure: int = 0
+    extends_previous: bool = False
+
+    @property
+    def delta(self) -> str:
+        return self.text
+
+
+_CHAT_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"})
+
+
+def _chat_options(tools, documents, add_generation_prompt, continue_final_message, kwargs) -> dict:
+    """The render's keyword arguments.
+
+    Raises:
+        InvalidRequest: ``tools`` / ``documents`` not lists, ``chat_template_kwargs`` not an object of string
+            keys, or one of its keys is a name the request sets itself.
+    """
+    for name, v in (("tools", tools), ("documents", documents)):
+        if v is not None and not isinstance(v, list):
+            raise InvalidRequest(f"{name} must be a list (JSON array) or absent, got {type(v).__name__}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequest(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}")
+    bad = [k for k in kwargs if not isinstance(k, str) or k in _CHAT_RESERVED]
+    if bad:
+        raise InvalidRequest(f"chat_template_kwargs may not set {bad!r}: send them as the request's own fields")
+    return {**kwargs, "tools": tools, "documents": documents, "add_generation_prompt": bool(add_generation_prompt),
+            "continue_final_message": bool(continue_final_message)}
+
+
+def _chat_fingerprint(flag: bool, messages) -> Hashable | None:
+    """A conversation's identity without a key: the hash of its first two messages (``marshal`` bytes), or
+    ``None`` when they are not plain JSON values (such a request gets a full render, no session)."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    try:
+        return (bool(flag), len(messages[:2]), hash(marshal.dumps(messages[:2], 0)))
+    except ValueError:
+        return None
+
+
+def _content_chars(messages, limit: int) -> int:
+    """Chars of the messages' string contents, counted up to ``limit`` (a lower bound of the prompt's)."""
+    n = 0
+    if not isinstance(messages, list):
+        return 0
+    for m in messages:
+        c = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(x.get("text") or "") for x in c if isinstance(x, Mapping) and isinstance(x.get("text"), str))
+        if n >= limit:
+            break
+    return n
+
+
+def _utf8_size(text: str) -> int:
+    """UTF-8 bytes of ``text``.
+
+    Raises:
+        InvalidRequest: a lone surrogate.
+    """
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"the rendered prompt holds a lone surrogate {text[e.start:e.end]!r}, which UTF-8 cannot encode. Send "
+            f"valid Unicode text in the messages."
+        ) from e
+
+
+def _char_width(text: str) -> int:
+    """Bytes per char of CPython's compact string ``text``: 1, 2 or 4 (from ``sys.getsizeof``, O(1))."""
+    if not text:
+        return 1
+    extra = sys.getsizeof(text) - sys.getsizeof("")
+    return 4 if extra >= 4 * len(text) else 2 if extra >= 2 * len(text) else 1
+
+
+def _load_chat_template(tokenizer: Tokenizer, configured: str) -> tuple[str | None, dict]:
+    """The chat template source and special tokens of a core (:meth:`ServingCore.from_config`).
+
+    Raises:
+        UnsupportedTokenizer: ``configured`` cannot be read or does not compile.
+    """
+    from toktier_backend.chat.template import ChatRenderer, load_chat_template
+    from toktier_backend.config import special_tokens
+
+    path = getattr(tokenizer, "path", None)
+    if configured:
+        source = load_chat_template(path, configured)
+        return source, special_tokens(path)
+    try:
+        source = load_chat_template(path)
+        special = special_tokens(path)
+        if source:
+            ChatRenderer(source, special)  # compiles it (cached): a broken one refuses chat, not the model
+        return source, special
+    except UnsupportedTokenizer as e:
+        log.error("chat template beside %s unusable, chat requests will be refused: %s", path, e)
+        return None, {}
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -889,4 +1363,4 @@ def _check_key(key: Key) -> None:
 
 
 __all__ = ["DEFAULT_MAX_TEXT_BYTES", "DEFAULT_MIN_PREFIX_CHARS", "DEFAULT_SESSION_BUDGET_BYTES", "MODES", "REPLIES",
-           "CoreConfig", "Origin", "Reply", "ServingCore", "error_code"]
+           "ChatTemplate", "CoreConfig", "Origin", "Reply", "ServingCore", "chat_nbytes", "error_code"]

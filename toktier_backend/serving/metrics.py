@@ -45,7 +45,17 @@ toktier_cpu_pool_wait_seconds              gauge      model, priority, stat (mea
 toktier_encode_route_total                 counter    model, route: where a stateless encode's body ran (below)
 toktier_gpu_engine_loads_total             counter    model, result (ok | off | unavailable | canary_failed): GPU
                                                       instances' engine at load
+toktier_chat_renders_total                 counter    model, route (incremental | full), reason (``""`` for
+                                                      incremental; below): chat requests' template renders
+toktier_chat_template_quarantined          gauge      model: 1 while incremental rendering of the core's chat
+                                                      template is quarantined (every chat request renders in full)
 =========================================  =========  ==========================================================
+
+Reasons of a ``full`` chat render (``ServingCore.chat``): ``quarantined`` (the shadow verifier caught an
+incremental render of this template), ``no_session`` (no key and no held conversation: a short request is
+rendered and encoded statelessly), ``busy`` (the conversation's session was in use), ``template`` (the
+analysis refused the template, ``ChatSession`` route ``full:template: ...``), ``error <Type>`` (a piece
+raised; the full render gives the request's answer), or the ``ChatSession`` fallback's own reason.
 
 Routes of ``toktier_encode_route_total`` (``toktier_backend.gpu.routing``): ``gpu``; on a GPU instance, the
 CPU because the text is under ``gpu_crossover_chars`` (``cpu_small``), the instance has no admitted GPU
@@ -165,6 +175,10 @@ class Metrics:
                                      "a cpu_* reason.", o + ["route"], registry=reg)
         self.gpu_engine_loads = Counter("toktier_gpu_engine_loads", "GPU model instances' engine at load: ok, "
                                         "off, unavailable, canary_failed.", o + ["result"], registry=reg)
+        self.chat_renders = Counter("toktier_chat_renders", "Chat template renders, by route (incremental | full) "
+                                    "and the reason of a full one.", o + ["route", "reason"], registry=reg)
+        self.chat_quarantined = Gauge("toktier_chat_template_quarantined", "1 while incremental rendering of the "
+                                      "chat template is quarantined.", o, registry=reg, multiprocess_mode="livemax")
         self._explicit_pool_stats = pool_stats is not None
         self.pool_stats = pool_stats or _shared_pool_stats
         self._pool_next = 0.0  # pool stats cost percentiles over a window: refreshed at most once a second
@@ -219,6 +233,17 @@ class Metrics:
         self.gpu_engine_loads.labels(f, m, result).inc()
         for route in ("gpu", "cpu_no_gpu", "cpu_gpu_error", "cpu_queue_full"):
             self.encode_routes.labels(f, m, route)
+
+    def observe_chat_render(self, origin: Origin, route: str) -> None:
+        """One chat render; ``route`` is ``ChatRender.route`` (``incremental`` or ``full:<reason>``). The reason
+        label keeps the text before its first ``:`` (``full:template: <why>`` -> ``template``), at most 64
+        chars: a bounded set per template."""
+        kind, _, reason = route.partition(":")
+        reason = reason.split(":", 1)[0].strip()[:64]
+        self._child(self.chat_renders, origin.face, origin.model, kind, reason).inc()
+
+    def set_chat_quarantined(self, origin: Origin, quarantined: bool) -> None:
+        self._child(self.chat_quarantined, origin.face, origin.model).set(1 if quarantined else 0)
 
     def observe_error(self, origin: Origin, code: str) -> None:
         self.errors.labels(origin.face, origin.model, code).inc()

@@ -71,6 +71,13 @@ class SessionEntry:
         checkpoints: prefix index keys held by this entry (prefix-found sessions only).
         depth: deepest checkpoint index of its text (``-1``: none).
         requests: successful requests served from it (0: its first is running or failed).
+        chat: the conversation's ``ChatSession`` (chat requests only; ``None`` otherwise): evicted and ended
+            with the tokenizer session, its bytes charged beside it.
+        chat_nbytes: bytes charged for ``chat`` (the core's estimate, ``serving.core.chat_nbytes``).
+        chat_synced: ``requests`` at the last chat step that left ``session.text`` equal to ``chat``'s last
+            render (``-1``: not in step: a request with a text, or a failed chat step, came between).
+        chat_fingerprint: the chat index key of a chat session held without a caller key
+            (:meth:`SessionStore.find_chat`).
     """
 
     session: Any  # toktier_backend.Session (a stand-in with ``nbytes`` in the store's tests)
@@ -82,6 +89,11 @@ class SessionEntry:
     checkpoints: tuple = ()
     depth: int = -1
     requests: int = 0
+    chat: Any = None
+    chat_nbytes: int = 0
+    chat_synced: int = -1
+    chat_fingerprint: Hashable | None = None
+    chat_width: int = 1  # bytes per char of the chat session's text (1, 2, 4), for chat_nbytes
 
 
 class SessionStore:
@@ -124,6 +136,7 @@ class SessionStore:
         #: Taken by every method; hold it around several calls that must see one state.
         self.lock = threading.RLock()
         self._index: dict[tuple, CorrelationId] = {}  # (flag, k, hash(text[:P_k])) -> key of a prefix session
+        self._chat_index: dict[Hashable, CorrelationId] = {}  # conversation fingerprint -> key (find_chat)
         self._prefix_keys = itertools.count(1)
         self._clock = clock
         self._on_evict = on_evict
@@ -229,6 +242,35 @@ class SessionStore:
             if self._index.get(ck) == key:
                 del self._index[ck]
         entry.checkpoints = ()
+        fp = entry.chat_fingerprint
+        if fp is not None and self._chat_index.get(fp) == key:
+            del self._chat_index[fp]
+
+    # ------------------------------------------------------------ chat sessions without a key
+
+    def find_chat(self, fingerprint: Hashable) -> tuple[CorrelationId, SessionEntry] | None:
+        """The held session indexed under a conversation ``fingerprint`` (:meth:`index_chat`), now the most
+        recently used, or ``None``. A fingerprint names the start of a conversation (the core hashes its first
+        messages): two conversations that share it share one session and cost each other re-renders, never
+        a wrong id (the chat session compares every message, the tokenizer session every char)."""
+        with self.lock:
+            key = self._chat_index.get(fingerprint)
+            if key is None:
+                return None
+            entry = self.get(key)
+            return None if entry is None else (key, entry)
+
+    def index_chat(self, key: CorrelationId, fingerprint: Hashable) -> None:
+        """Point ``fingerprint`` at the session ``key`` (replacing the session it pointed at before, which
+        stays held until the LRU order, its TTL or the budget drops it); nothing when ``key`` is not held."""
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
+            if entry.chat_fingerprint is not None and self._chat_index.get(entry.chat_fingerprint) == key:
+                del self._chat_index[entry.chat_fingerprint]
+            self._chat_index[fingerprint] = key
+            entry.chat_fingerprint = fingerprint
 
     # ------------------------------------------------------------ writing
 
@@ -267,7 +309,7 @@ class SessionStore:
         with self.lock:
             entry = self._entries.get(key) if key is not None else None
             if entry is not None:
-                size = int(getattr(entry.session, "nbytes", 0)) + ENTRY_OVERHEAD
+                size = int(getattr(entry.session, "nbytes", 0)) + ENTRY_OVERHEAD + int(entry.chat_nbytes)
                 self._nbytes += size - entry.nbytes
                 entry.nbytes = size
             evicted: list[CorrelationId] = []

@@ -22,6 +22,14 @@ On a mismatch it
 
 A sample holds references to the reply's text (no copy) and a copy of its ids; the queue is bounded in
 samples and in bytes.
+
+**Chat requests** (``ServingCore.chat``) carry a :class:`ChatCheck`: the thread first renders the request in
+full with the jinja2 reference (``ChatSession.full_render``) and compares the text char for char with the
+one that was encoded, then checks the ids as above. A text mismatch quarantines *incremental rendering of
+that template* (:meth:`Verifier.quarantine_chat`): the same quarantine file, under the build key
+``chat-template/<template sha256>`` and route ``incremental``, so every instance and restart renders that
+template in full (``ServingCore`` counts those renders with reason ``quarantined``) until an operator clears
+it (``toktier quarantine clear --key chat-template/``).
 """
 
 from __future__ import annotations
@@ -46,6 +54,18 @@ import numpy as np
 from toktier_backend.tokenizer import FAST_ROUTES, Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+CHAT_KEY_PREFIX = "chat-template/"
+"""Build keys ``chat-template/<sha256 of the template source>`` in the quarantine file: a chat template whose
+incremental rendering is quarantined (route :data:`CHAT_ROUTE`)."""
+
+CHAT_ROUTE = "incremental"
+
+
+def chat_template_key(source: str) -> str:
+    """The sha256 (hex) of a chat template's jinja source: what a chat quarantine is per."""
+    return hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def build_key(tokenizer: Tokenizer) -> str:
@@ -133,6 +153,20 @@ class QuarantineFile:
 
 
 @dataclass
+class ChatCheck:
+    """What the verifier needs to re-render a chat request: ``render(messages, **options)`` is the jinja2
+    reference (``ChatSession.full_render``), ``messages`` a plain copy taken when sampled (the caller may
+    reuse its dicts), ``template`` the template's :func:`chat_template_key`, ``route`` how the text was
+    rendered (``incremental`` or ``full:<reason>``)."""
+
+    render: Callable[..., str]
+    messages: list
+    options: dict
+    template: str
+    route: str
+
+
+@dataclass
 class Sample:
     text: str
     ids: np.ndarray  # int32[n], a copy of the reply's ids
@@ -143,6 +177,7 @@ class Sample:
     key: str
     nbytes: int
     tag: Any = None  # the submitter's (the serving core's Origin), handed back to ``on_result``
+    chat: ChatCheck | None = None  # a chat request: its text is re-rendered first
 
 
 @dataclass
@@ -231,6 +266,8 @@ class Verifier:
         self._lock = threading.Lock()
         self._qlock = threading.Lock()  # quarantine changes: file + memory together (worker vs sync)
         self._seen: dict[str, int] = {}
+        #: chat templates (:func:`chat_template_key`) whose incremental rendering is quarantined -> reason
+        self.chat_quarantined: dict[str, str] = {}
         self._file_mtime: float | None = None
         self._next_poll = 0.0
         self._busy = 0  # samples taken by the worker and not finished
@@ -260,10 +297,11 @@ class Verifier:
         return self.rate > 0 and self._rng.random() < self.rate
 
     def submit(self, text: str, ids: np.ndarray, *, add_special_tokens: bool, route: str, cut: int = 0,
-               engine: str = "", tag: Any = None) -> bool:
+               engine: str = "", tag: Any = None, chat: ChatCheck | None = None) -> bool:
         """Queue one reply for checking (``ids`` is copied). Never blocks.
 
         ``tag`` comes back as ``Sample.tag`` to ``on_result`` (the core passes the request's origin).
+        ``chat``: the reply is a chat request's; its text is re-rendered by the reference first.
 
         Returns:
             False when the sample was dropped (queue full in samples or bytes, or closed).
@@ -271,7 +309,7 @@ class Verifier:
         ids = np.array(ids, dtype=np.int32)
         nbytes = sys.getsizeof(text) + ids.nbytes
         sample = Sample(text, ids, bool(add_special_tokens), route, int(cut), engine, build_key(self.tokenizer), nbytes,
-                        tag)
+                        tag, chat)
         with self._lock:
             if self._closed or self._queued_bytes + nbytes > self.max_queue_bytes:
                 self.dropped += 1
@@ -309,6 +347,10 @@ class Verifier:
                     tok.quarantine(route, str(record.get("reason", "listed in the quarantine file")))
             for route in [r for r in tok.quarantined if r not in listed]:
                 tok.release(route)
+            self.chat_quarantined = {k[len(CHAT_KEY_PREFIX):]: str(v[CHAT_ROUTE].get("reason", "listed"))
+                                     for k, v in data.items()
+                                     if k.startswith(CHAT_KEY_PREFIX) and isinstance(v, dict)
+                                     and isinstance(v.get(CHAT_ROUTE), dict)}
 
     # ------------------------------------------------------------ operator API
 
@@ -331,6 +373,29 @@ class Verifier:
                 self.file.clear(build_key(self.tokenizer), route)
                 self._file_mtime = self.file.mtime()
             return self.tokenizer.release(route)
+
+    def quarantine_chat(self, template: str, reason: str) -> None:
+        """Quarantine incremental rendering of the chat template ``template`` (:func:`chat_template_key`)
+        now, here and in the quarantine file: the core renders its requests in full from then on."""
+        with self._qlock:
+            if self.file is not None:
+                try:
+                    self.file.add(CHAT_KEY_PREFIX + template, CHAT_ROUTE, {"reason": reason, "since": time.time()})
+                    self._file_mtime = self.file.mtime()
+                except (OSError, ValueError) as e:  # still quarantined here, in memory
+                    log.error("cannot write quarantine file %s: %s", self.file.path, e)
+            self.chat_quarantined[template] = reason
+
+    def release_chat(self, template: str | None = None) -> list[str]:
+        """Clear the chat quarantine of ``template`` (``None``: every template), here and in the file."""
+        with self._qlock:
+            if self.file is not None:
+                self.file.clear(CHAT_KEY_PREFIX + (template or ""), CHAT_ROUTE)
+                self._file_mtime = self.file.mtime()
+            released = [t for t in self.chat_quarantined if template is None or t == template]
+            for t in released:
+                del self.chat_quarantined[t]
+            return released
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued sample is checked (tests, shutdown). Returns False on timeout."""
@@ -368,6 +433,8 @@ class Verifier:
                 self._busy -= 1
 
     def _check(self, s: Sample) -> None:
+        if s.chat is not None and not self._check_chat(s):
+            return
         ref = self.tokenizer.reference
         enc = ref.encode_batch([s.text], add_special_tokens=s.add_special_tokens)[0]  # releases the GIL
         want = np.asarray(enc.ids, dtype=np.int32)
@@ -381,6 +448,44 @@ class Verifier:
                 self.on_result(s, ok)
             except Exception:
                 log.exception("verifier on_result callback failed")
+
+    def _check_chat(self, s: Sample) -> bool:
+        """Re-render a chat sample with the reference; on a text mismatch count it, log where the texts part
+        (redacted unless ``debug``), quarantine the template's incremental rendering, report ``on_result``
+        (route ``chat:<render route>``) and return False (the ids of a wrong text are not checked)."""
+        c = s.chat
+        try:
+            want = c.render(c.messages, **c.options)
+        except Exception as e:  # the reference refuses what was served: a mismatch as well
+            want, why = None, f"the reference render raised {type(e).__name__}: {e}"
+        else:
+            why = ""
+        if want == s.text:
+            return True
+        self.samples += 1
+        self.mismatches += 1
+        at = 0
+        if want is not None:
+            from toktier_backend.chat.session import common_prefix_length  # (only on a mismatch)
+
+            at = common_prefix_length(want, s.text)
+            why = (f"texts differ from char {at} (served {len(s.text)} chars, reference {len(want)}; sha256 of "
+                   f"the served window {hashlib.sha256(s.text[at:at + 64].encode('utf-8', 'surrogatepass')).hexdigest()[:16]})")
+        log.error(
+            "shadow verifier CHAT MISMATCH tokenizer=%s template=%s render route=%s: %s; quarantining incremental "
+            "rendering of the template%s", self.name, c.template[:16], c.route, why,
+            f"; served {s.text[at:at + 80]!r} reference {(want or '')[at:at + 80]!r}" if self.debug
+            else " (text redacted; set the verifier debug flag to log it)",
+        )
+        self.quarantine_chat(c.template, f"shadow verifier chat mismatch at "
+                                         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {why}")
+        if self.on_result is not None:
+            try:
+                self.on_result(Sample(s.text, s.ids, s.add_special_tokens, "chat:" + c.route.split(":")[0], s.cut,
+                                      s.engine, s.key, s.nbytes, s.tag, c), False)
+            except Exception:
+                log.exception("verifier on_result callback failed")
+        return False
 
     def _on_mismatch(self, s: Sample, want: np.ndarray, offsets) -> None:
         first, got_end, want_end = _diff_window(s.ids, want)
@@ -440,4 +545,5 @@ class Verifier:
         return None
 
 
-__all__ = ["FAST_ROUTES", "QuarantineFile", "Repro", "Sample", "Verifier", "build_key"]
+__all__ = ["CHAT_KEY_PREFIX", "CHAT_ROUTE", "FAST_ROUTES", "ChatCheck", "QuarantineFile", "Repro", "Sample", "Verifier",
+           "build_key", "chat_template_key"]
