@@ -190,13 +190,56 @@ class Handler:
         self, corr_id: CorrelationId, inputs: Mapping[str, np.ndarray | None], *, start: bool, end: bool
     ) -> dict[str, np.ndarray]:
         """:meth:`handle_session` from input tensors (``TEXT``, optional ``MODE``, ``REPLY``,
-        ``ADD_SPECIAL_TOKENS``; shape [1] or [1, 1]). START/END are honoured even when the tensors are bad."""
+        ``ADD_SPECIAL_TOKENS``; shape [1] or [1, 1]), or :meth:`handle_chat` when they carry ``MESSAGES``
+        (``triton_io.chat_args``). START/END are honoured even when the tensors are bad."""
+        chat = triton_io.is_chat(inputs)
         try:
-            args = triton_io.session_args(inputs)
+            args = triton_io.chat_args(inputs) if chat else triton_io.session_args(inputs)
         except ToktierError as e:
             self.core.refuse(self.session_origin, e, key=corr_id, start=start, end=end)
             raise
+        if chat:
+            return self.handle_chat(corr_id, **args, start=start, end=end)
         return self.handle_session(corr_id, **args, start=start, end=end)
+
+    def handle_chat(
+        self,
+        corr_id: CorrelationId,
+        messages: list,
+        *,
+        reply: str | bytes | None = None,
+        add_special: bool | None = None,
+        add_generation_prompt: bool = False,
+        tools: list | None = None,
+        documents: list | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        start: bool = False,
+        end: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """One chat request of a sequence (:meth:`ServingCore.chat`, keyed by the correlation ID, waiting for
+        the sequence's previous request): the conversation rendered with the model's chat template
+        (incrementally, from the sequence's previous request), then encoded.
+
+        Returns:
+            as :meth:`handle_session`; the ids equal HF ``Tokenizer.encode(text, add_special_tokens=flag).ids``
+            of ``text`` = transformers ``apply_chat_template(messages, tokenize=False, ...)`` (``flag``
+            default ``False``, as ``apply_chat_template(tokenize=True)``).
+
+        Raises:
+            InvalidRequest: no chat template, malformed messages, the template refused them, the prompt is
+                over ``max_text_bytes``. The session is unchanged.
+        """
+        r = self.core.chat(self.session_origin, messages, key=corr_id, tools=tools, documents=documents,
+                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                           chat_template_kwargs=chat_template_kwargs, add_special_tokens=bool(add_special),
+                           reply=reply, start=start, end=end, wait=True)
+        return {
+            "INPUT_ID": r.ids,
+            "REQUEST_INPUT_LEN": np.array([r.n], dtype=np.int32),
+            "KEEP": np.array([r.keep], dtype=np.int32),
+            "ROUTE": np.array([r.route.encode()], dtype=np.object_),
+        }
 
     # ------------------------------------------------------------ stateless encode
 

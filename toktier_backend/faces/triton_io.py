@@ -4,6 +4,10 @@ Input tensors arrive as numpy arrays: ``TYPE_STRING`` as ``object`` arrays of ``
 ``bool`` arrays, shaped ``[1]`` (``max_batch_size: 0``) or ``[1, 1]`` (batch dimension first). Each request
 carries exactly one text; send several requests to batch (the dynamic batcher and the sequence batcher
 gather them).
+
+A ``toktier_session`` request carries either ``TEXT`` or ``MESSAGES`` (a chat request: a JSON array of
+OpenAI-style messages, rendered with the model's chat template by the serving core), never both
+(:func:`chat_args`, :func:`parse_messages`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ import numpy as np
 
 from toktier_backend.errors import InvalidRequest, ToktierError
 
-SESSION_INPUTS = ("TEXT", "MODE", "REPLY", "ADD_SPECIAL_TOKENS")
+SESSION_INPUTS = ("TEXT", "MODE", "REPLY", "ADD_SPECIAL_TOKENS", "MESSAGES", "ADD_GENERATION_PROMPT",
+                  "CHAT_TEMPLATE_KWARGS")
+CHAT_INPUTS = ("MESSAGES", "ADD_GENERATION_PROMPT", "CHAT_TEMPLATE_KWARGS")
+CHAT_OPTION_KEYS = ("tools", "documents", "continue_final_message")
+"""Keys of ``CHAT_TEMPLATE_KWARGS`` taken as the render's own options (``apply_chat_template``'s keywords);
+every other key is a template variable."""
 SESSION_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")
 ENCODE_INPUTS = ("TEXT", "ADD_SPECIAL_TOKENS")
 ENCODE_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN")
@@ -86,12 +95,107 @@ def _flag(inputs: Mapping[str, np.ndarray | None], name: str) -> bool | None:
 
 
 def session_args(inputs: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
-    """Keyword arguments of ``Handler.handle_session`` (text, mode, reply, add_special) from input tensors."""
+    """Keyword arguments of ``Handler.handle_session`` (text, mode, reply, add_special) from input tensors.
+
+    Raises:
+        InvalidRequest: neither ``TEXT`` nor ``MESSAGES`` (see :func:`chat_args` for ``MESSAGES``).
+    """
+    if inputs.get("TEXT") is None:
+        raise InvalidRequest(
+            "toktier_session needs exactly one of the inputs 'TEXT' (TYPE_STRING [1]: the text) and 'MESSAGES' "
+            "(TYPE_STRING [1]: a JSON array of chat messages); neither was sent."
+        )
     return {
         "text": _text(inputs),
         "mode": scalar(inputs, "MODE"),
         "reply": scalar(inputs, "REPLY"),
         "add_special": _flag(inputs, "ADD_SPECIAL_TOKENS"),
+    }
+
+
+def is_chat(inputs: Mapping[str, np.ndarray | None]) -> bool:
+    """Does the request carry ``MESSAGES`` (a chat request)?"""
+    return inputs.get("MESSAGES") is not None
+
+
+def parse_messages(raw: Any) -> list:
+    """The ``MESSAGES`` element (UTF-8 JSON bytes) as a list of message objects: the one place this face
+    parses a chat body (``jsonio.loads``, orjson).
+
+    Raises:
+        InvalidRequest: not ``TYPE_STRING``, not JSON, or not a JSON array of objects.
+    """
+    from toktier_backend import jsonio
+
+    if not isinstance(raw, (bytes, str)):
+        raise InvalidRequest(f"input 'MESSAGES' must be TYPE_STRING (UTF-8 JSON bytes), got {type(raw).__name__}.")
+    try:
+        messages = jsonio.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"input 'MESSAGES' is not JSON ({e}); send a JSON array of messages, e.g. "
+                             f"[{{\"role\": \"user\", \"content\": \"hi\"}}].") from e
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise InvalidRequest(f"input 'MESSAGES' must be a JSON array of message objects, got "
+                             f"{type(messages).__name__}.")
+    return messages
+
+
+def _json_object(inputs: Mapping[str, np.ndarray | None], name: str) -> dict:
+    from toktier_backend import jsonio
+
+    raw = scalar(inputs, name)
+    if raw is None or raw in (b"", ""):
+        return {}
+    if not isinstance(raw, (bytes, str)):
+        raise InvalidRequest(f"input {name!r} must be TYPE_STRING (UTF-8 JSON bytes), got {type(raw).__name__}.")
+    try:
+        value = jsonio.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"input {name!r} is not JSON ({e}); send a JSON object.") from e
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"input {name!r} must be a JSON object, got {type(value).__name__}.")
+    return value
+
+
+def chat_args(inputs: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
+    """Keyword arguments of ``Handler.handle_chat`` from the input tensors of a chat request.
+
+    ``MESSAGES``: JSON array of messages; ``ADD_GENERATION_PROMPT``: bool (default false, as
+    ``apply_chat_template``); ``CHAT_TEMPLATE_KWARGS``: JSON object whose ``tools``, ``documents``,
+    ``continue_final_message`` are the render's options and whose other keys are template variables
+    (``enable_thinking``, ...); ``ADD_SPECIAL_TOKENS``: default false (the template writes the special
+    tokens); ``REPLY``: as for a text; ``MODE``: absent or ``full`` (the messages are the whole conversation).
+
+    Raises:
+        InvalidRequest: ``TEXT`` sent too, ``MODE='delta'``, bad JSON, or bad flags.
+    """
+    if inputs.get("TEXT") is not None:
+        raise InvalidRequest(
+            "the request carries both 'TEXT' and 'MESSAGES'; send exactly one: TEXT for a text, MESSAGES for a "
+            "chat conversation (rendered with the model's chat template)."
+        )
+    mode = scalar(inputs, "MODE")
+    if isinstance(mode, bytes):
+        mode = mode.decode("utf-8", "replace")
+    if mode not in (None, "") and str(mode).strip().lower() != "full":
+        raise InvalidRequest(
+            f"MODE={mode!r} with MESSAGES: a chat request always carries the whole conversation (the server finds "
+            f"what changed); omit MODE or send 'full'."
+        )
+    kwargs = _json_object(inputs, "CHAT_TEMPLATE_KWARGS")
+    options = {k: kwargs.pop(k) for k in CHAT_OPTION_KEYS if k in kwargs}
+    cont = options.get("continue_final_message", False)
+    if not isinstance(cont, bool):
+        raise InvalidRequest(f"CHAT_TEMPLATE_KWARGS continue_final_message must be a boolean, got {cont!r}.")
+    return {
+        "messages": parse_messages(scalar(inputs, "MESSAGES")),
+        "reply": scalar(inputs, "REPLY"),
+        "add_special": _flag(inputs, "ADD_SPECIAL_TOKENS"),
+        "add_generation_prompt": bool(_flag(inputs, "ADD_GENERATION_PROMPT")),
+        "tools": options.get("tools"),
+        "documents": options.get("documents"),
+        "continue_final_message": cont,
+        "chat_template_kwargs": kwargs,
     }
 
 

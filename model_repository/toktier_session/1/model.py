@@ -1,10 +1,14 @@
 """Triton Python backend model ``toktier_session``: stateful tokenization under the sequence batcher.
 
-Inputs (batch dimension first, one element per request):
+Inputs (batch dimension first, one element per request; exactly one of TEXT and MESSAGES):
     TEXT               TYPE_STRING [1]  UTF-8: the whole text (MODE=full) or the appended text (MODE=delta)
-    MODE               TYPE_STRING [1]  optional, "full" (default) | "delta"
+    MODE               TYPE_STRING [1]  optional, "full" (default) | "delta" (TEXT only)
     REPLY              TYPE_STRING [1]  optional, "full" (default) | "patch"
-    ADD_SPECIAL_TOKENS TYPE_BOOL   [1]  optional, default true (a delta keeps the session's flag)
+    ADD_SPECIAL_TOKENS TYPE_BOOL   [1]  optional, default true for TEXT, false for MESSAGES
+    MESSAGES           TYPE_STRING [1]  optional, UTF-8 JSON array of chat messages (the whole conversation)
+    ADD_GENERATION_PROMPT TYPE_BOOL [1] optional, default false (MESSAGES only)
+    CHAT_TEMPLATE_KWARGS TYPE_STRING [1] optional, JSON object: tools, documents, continue_final_message,
+                                    template variables (MESSAGES only)
 Outputs:
     INPUT_ID           TYPE_INT32  [-1] all ids, or ids[KEEP:] with REPLY=patch
     REQUEST_INPUT_LEN  TYPE_INT32  [1]  total ids of the session text
