@@ -134,9 +134,13 @@ def parse_messages(raw: Any) -> list:
     except ValueError as e:
         raise InvalidRequest(f"input 'MESSAGES' is not JSON ({e}); send a JSON array of messages, e.g. "
                              f"[{{\"role\": \"user\", \"content\": \"hi\"}}].") from e
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise InvalidRequest(f"input 'MESSAGES' must be a JSON array of message objects, got "
+    if not isinstance(messages, list):
+        raise InvalidRequest(f"input 'MESSAGES' must be a JSON array of message objects, got a JSON "
                              f"{type(messages).__name__}.")
+    bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict)), None)
+    if bad is not None:
+        raise InvalidRequest(f"input 'MESSAGES' must be a JSON array of message objects; element {bad} is a "
+                             f"{type(messages[bad]).__name__}.")
     return messages
 
 
