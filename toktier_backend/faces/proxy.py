@@ -7,12 +7,13 @@ IDs as ``prompt`` (vLLM, SGLang, Dynamo's frontend, ``trtllm-serve``):
 - ``POST /v1/completions`` with a string ``prompt``: tokenized (``add_special_tokens`` from the body,
   default true), forwarded with ``prompt`` = the ids. Token-ID prompts are forwarded unchanged; a list of
   strings is tokenized row by row.
-- ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template in a sandboxed
-  jinja2 environment (:mod:`.chat`; ``tools``, ``documents``, ``chat_template_kwargs``,
-  ``add_generation_prompt`` (default true), ``continue_final_message`` honoured), tokenized with
-  ``add_special_tokens=False``, forwarded to ``/v1/completions``; the reply (JSON or SSE stream) is turned
-  back into ``chat.completion`` / ``chat.completion.chunk`` objects with ``message``/``delta`` content.
-  Tool-call and reasoning parsing are not done here.
+- ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template and tokenized
+  with ``add_special_tokens=False`` by the serving core's chat step (``ServingCore.chat``: the
+  conversation's ``ChatSession`` renders only what changed since its previous request, in the same
+  session as its ids; ``tools``, ``documents``, ``chat_template_kwargs``, ``add_generation_prompt``
+  (default true), ``continue_final_message`` honoured), forwarded to ``/v1/completions``; the reply (JSON
+  or SSE stream) is turned back into ``chat.completion`` / ``chat.completion.chunk`` objects with
+  ``message``/``delta`` content. Tool-call and reasoning parsing are not done here.
 - Anything else (``GET /v1/models``, …) is forwarded as is. ``GET /health`` answers locally.
 
 Sessions: the ``--session-header`` (default ``X-Session-ID``) or a body field ``conversation_id`` /
@@ -20,7 +21,8 @@ Sessions: the ``--session-header`` (default ``X-Session-ID``) or a body field ``
 :mod:`toktier_backend.serving.core`, which also samples replies to the shadow verifier and counts them in
 ``toktier_*`` with ``face="proxy"``, ``model`` ``completions`` or ``chat``; ``--metrics-port`` serves them).
 Each reply carries ``X-Toktier-Route``, ``X-Toktier-Reused`` (ids
-kept from the session's previous prompt), ``X-Toktier-Prompt-Tokens`` and ``X-Toktier-Session``. The ids
+kept from the session's previous prompt), ``X-Toktier-Prompt-Tokens`` and ``X-Toktier-Session``; a chat reply
+also ``X-Toktier-Render`` (``incremental`` or ``full:<reason>``). The ids
 always equal HF ``Tokenizer.from_file(path).encode(text, add_special_tokens=flag).ids``.
 
 Pure standard library (``http.server`` + ``urllib``); binds to loopback by default.
@@ -36,9 +38,10 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 
-from toktier_backend.chat.template import ChatRenderer, load_chat_template
+from toktier_backend import jsonio
+from toktier_backend.chat.template import load_chat_template
 from toktier_backend.config import special_tokens, stop_on_signals
-from toktier_backend.errors import ToktierError
+from toktier_backend.errors import InvalidRequest, ToktierError
 from toktier_backend.serving.core import CoreConfig, ServingCore
 from toktier_backend.serving.metrics import Origin
 from toktier_backend.tokenizer import Tokenizer
@@ -72,8 +75,11 @@ class TokenProxy:
         core: the serving core (sessions, verifier, metrics, pool), or a bare ``Tokenizer`` (then a core with
             ``CoreConfig``'s defaults is built for it).
         upstream: base URL of the OpenAI-compatible server (``http://host:port``; a trailing ``/v1`` is fine).
-        chat_template: jinja source, or ``None`` (then chat requests fail with 400).
-        special_tokens: template variables ``bos_token``, ``eos_token``, … (``tokenizer_config.json``).
+        chat_template: jinja source, set as the core's chat template (``ServingCore.use_chat_template``), or
+            ``None``: the core's own (``ServingCore.from_config`` loads the one beside the tokenizer); without
+            one chat requests fail with 400.
+        special_tokens: template variables ``bos_token``, ``eos_token``, … (``tokenizer_config.json``), with
+            ``chat_template``.
         session_header: request header that keys a session (case-insensitive).
         timeout_s: upstream timeout in seconds (connect and each read).
         face: the ``face`` label of its metrics.
@@ -96,7 +102,8 @@ class TokenProxy:
         self.tokenizer = core.tokenizer
         base = upstream.rstrip("/")
         self.upstream = base[: -len("/v1")] if base.endswith("/v1") else base
-        self.renderer = ChatRenderer(chat_template, special_tokens) if chat_template else None
+        if chat_template:
+            core.use_chat_template(chat_template, special_tokens)
         self.session_header = session_header
         self.timeout_s = timeout_s
         self.completions_origin = Origin(face, "completions")
@@ -165,26 +172,32 @@ class TokenProxy:
 
     def chat_body(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
         """``/v1/chat/completions`` body -> (``/v1/completions`` body with token-ID ``prompt``, headers)."""
-        if self.renderer is None:
+        if self.core.chat_template is None:
             raise ProxyError(400, "this proxy has no chat template: start it with --chat-template FILE, or serve a "
                                   "tokenizer folder with tokenizer_config.json / chat_template.jinja")
-        messages = body.get("messages")
+        messages = body.get("messages")  # the body's messages, parsed once in _Handler.do_POST (jsonio)
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ProxyError(400, "chat_template_kwargs must be an object")
         cont = bool(body.get("continue_final_message", False))
-        text = self.renderer.render(
+        flag = body.get("add_special_tokens", False)
+        if not isinstance(flag, bool):
+            raise ProxyError(400, f"add_special_tokens must be a boolean, got {flag!r}")
+        r = self.core.chat(
+            self.chat_origin,
             messages,
+            key=self.session_key(headers, body),
             tools=body.get("tools"),
             documents=body.get("documents"),
             add_generation_prompt=bool(body.get("add_generation_prompt", not cont)),
             continue_final_message=cont,
-            **kwargs,
+            chat_template_kwargs=kwargs,
+            add_special_tokens=flag,
         )
-        flag = body.get("add_special_tokens", False)
-        if not isinstance(flag, bool):
-            raise ProxyError(400, f"add_special_tokens must be a boolean, got {flag!r}")
-        ids, info = self._encode(self.chat_origin, text, self.session_key(headers, body), flag)
+        ids = r.ids.tolist()
+        info = {"X-Toktier-Route": r.shown_route, "X-Toktier-Reused": str(r.keep),
+                "X-Toktier-Prompt-Tokens": str(r.n), "X-Toktier-Session": r.session or "none",
+                "X-Toktier-Render": r.render or ""}
         out = {k: v for k, v in body.items() if k not in _CHAT_ONLY and k not in SESSION_BODY_FIELDS}
         if "max_completion_tokens" in body and "max_tokens" not in body:
             out["max_tokens"] = body["max_completion_tokens"]
@@ -304,13 +317,16 @@ class _Handler(BaseHTTPRequestHandler):
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return self._passthrough("POST", raw)
         try:
-            try:
-                body = json.loads(raw or b"{}")
-            except ValueError as e:
-                raise ProxyError(400, f"request body is not JSON: {e}") from e
-            if not isinstance(body, dict):
-                raise ProxyError(400, "request body must be a JSON object")
             chat = path == "/v1/chat/completions"
+            origin = self.proxy.chat_origin if chat else self.proxy.completions_origin
+            try:
+                body = jsonio.loads(raw or b"{}")  # the one parse of a request body (orjson)
+            except InvalidRequest as e:
+                self.proxy.core.refuse(origin, e)  # (counted: refused before the core saw it)
+                raise ProxyError(400, f"InvalidRequest: request body is not JSON ({e})") from e
+            if not isinstance(body, dict):
+                self.proxy.core.refuse(origin, InvalidRequest("request body must be a JSON object"))
+                raise ProxyError(400, "request body must be a JSON object")
             try:
                 fwd, info = (self.proxy.chat_body if chat else self.proxy.completion_body)(body, self._headers())
             except ToktierError as e:
@@ -428,7 +444,7 @@ def serve_proxy(
         thread = threading.Thread(target=server.serve_forever, name="toktier-proxy", daemon=True)
         thread.start()
         print(f"toktier proxy: http://{server.server_address[0]}:{server.server_address[1]} -> {proxy.upstream}/v1/completions "
-              f"(tokenizer {proxy.tokenizer.path}, chat template {'yes' if proxy.renderer else 'none'}, "
+              f"(tokenizer {proxy.tokenizer.path}, chat template {'yes' if proxy.core.chat_template else 'none'}, "
               f"session header {session_header}"
               + (f", toktier metrics http://{host}:{metrics_port}/metrics" if metrics_port is not None else "") + ")",
               flush=True)

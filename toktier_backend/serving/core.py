@@ -646,6 +646,24 @@ class ServingCore:
 
     # ------------------------------------------------------------ chat
 
+    def use_chat_template(self, source: str | None, special_tokens: Mapping[str, str] | None = None) -> None:
+        """Make ``source`` the chat template of :meth:`chat` (a face that resolves its own, e.g. vLLM's HF
+        tokenizer or the proxy's ``--chat-template``); ``None``: none. A held conversation rendered with
+        another template gets a new renderer at its next request (:meth:`_chat_run`).
+
+        Raises:
+            UnsupportedTokenizer: the template does not compile.
+        """
+        if not source:
+            self.chat_template = None
+            return
+        cur = self.chat_template
+        special = dict(special_tokens or {})
+        if cur is not None and cur.source == source and cur.special_tokens == special:
+            return
+        self.chat_template = ChatTemplate(source, special,
+                                          session_class=cur.session_class if cur is not None else None)
+
     def chat(
         self,
         origin: Origin,
@@ -821,7 +839,9 @@ class ServingCore:
             chat = None  # its records no longer describe the session's text: dropped, rebuilt when released
             synced = False
         else:
-            chat = entry.chat if entry.chat is not None else tpl.session()
+            chat = entry.chat
+            if chat is None or getattr(chat, "template", None) is not tpl:
+                chat, synced = tpl.session(), False  # new, or made for a template the core no longer uses
             render = chat.render(messages, **options)  # InvalidRequest: the chat session is unchanged
         entry.chat_synced = -1  # until this step has succeeded
         update, size = self._chat_advance(render, entry.text_bytes, synced)
@@ -1199,7 +1219,9 @@ class ChatTemplate:
         cls = self.session_class
         if cls is None:
             from toktier_backend.chat.session import ChatSession as cls
-        return cls(self.source, self.special_tokens, fast_full=False, plan=self._plan, full_renderer=self._full)
+        chat = cls(self.source, self.special_tokens, fast_full=False, plan=self._plan, full_renderer=self._full)
+        chat.template = self  # which template it renders (``ServingCore.use_chat_template`` may replace it)
+        return chat
 
     def check(self, messages, options: dict, route: str) -> ChatCheck:
         """What the verifier needs to re-render a sampled request: plain copies (the caller may reuse its
