@@ -2,7 +2,9 @@
 
 :class:`TokTierTokenizer` implements vLLM's ``TokenizerLike`` protocol (``vllm/tokenizers/protocol.py``,
 checked against vLLM 0.33.0) without importing vLLM. Encoding (``encode``, ``__call__``,
-``apply_chat_template(tokenize=True)``) goes through the serving core (:mod:`toktier_backend.serving.core`):
+``apply_chat_template(tokenize=True)``) goes through the serving core (:mod:`toktier_backend.serving.core`;
+a chat whose template and keywords we render as transformers does goes through its chat step, which renders
+only what changed since the conversation's previous request, see :meth:`TokTierTokenizer.apply_chat_template`):
 a prompt of at least ``min_prefix_chars`` is matched by its prefix to a held session, so an agent's resent
 conversation is repaired from the last stable cut instead of re-encoded; every reply may be sampled by the
 shadow verifier (a mismatch quarantines the route) and is counted in ``toktier_*`` (``face="vllm"``,
@@ -158,6 +160,7 @@ class TokTierTokenizer:
             core = ServingCore.from_config(config, tokenizer=core)
         object.__setattr__(self, "core", core)
         object.__setattr__(self, "origin", Origin(face, "tokenizer"))
+        _use_hf_chat_template(core, hf)
         core.register(self.origin, sessions=True)
         object.__setattr__(self, "_lock", threading.Lock())
         object.__setattr__(self, "_cached", {})
@@ -394,9 +397,40 @@ class TokTierTokenizer:
             return self.hf.apply_chat_template(messages, tools=tools, tokenize=tokenize, return_dict=return_dict,
                                                **kwargs)
         kwargs.pop("max_length", None)  # only meaningful with truncation, which HF serves
-        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
-        ids = self._ids(text, False)
+        ids = self._chat_ids(messages, tools, kwargs)
+        if ids is None:  # a template or keywords we do not render as transformers does: it renders
+            text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+            ids = self._ids(text, False)
         return self._batch_encoding(ids, {}) if return_dict else ids
+
+    def _chat_ids(self, messages: Any, tools: Any, kwargs: dict[str, Any]) -> list[int] | None:
+        """Ids of the chat through the core's chat step (``ServingCore.chat``, no key: the conversation is
+        found again by its first messages), or ``None`` when transformers must render it: the template
+        transformers would pick (``get_chat_template(chat_template, tools)``) is not the core's, the
+        messages are not a non-empty list of dicts of JSON values (checked one level deep), ``tools`` holds
+        callables, ``continue_final_message`` is not a bool or comes with ``add_generation_prompt``, or
+        ``sanitize_control_tokens`` is set. Every other keyword is a template variable, as in
+        transformers' ``render_jinja_template``; the special tokens are the HF tokenizer's
+        ``special_tokens_map`` (:func:`_use_hf_chat_template`)."""
+        tpl = self.core.chat_template
+        if tpl is None or not isinstance(messages, list) or not messages or not all(map(_plain_message, messages)):
+            return None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            return None
+        kw = dict(kwargs)
+        agp, cont = kw.pop("add_generation_prompt", False), kw.pop("continue_final_message", False)
+        if not isinstance(agp, bool) or not isinstance(cont, bool) or (agp and cont) or kw.pop("sanitize_control_tokens", False):
+            return None
+        documents = kw.pop("documents", None)
+        try:
+            chosen = self.hf.get_chat_template(kw.pop("chat_template", None), tools)
+        except ValueError:  # no template: transformers raises its own error
+            return None
+        if chosen != tpl.source:
+            return None
+        return self.core.chat(self.origin, messages, tools=tools, documents=documents, add_generation_prompt=agp,
+                              continue_final_message=cont, chat_template_kwargs=kw,
+                              add_special_tokens=False).ids.tolist()
 
     # ------------------------------------------------------------ TokenizerLike: the rest (HF)
 
@@ -425,6 +459,28 @@ class TokTierTokenizer:
         if kwargs.get("return_attention_mask", True) is not False:
             data["attention_mask"] = [[1] * len(r) for r in rows] if rows is not None else [1] * len(ids)
         return BatchEncoding(data)
+
+
+def _use_hf_chat_template(core: ServingCore, hf: Any) -> None:
+    """Give ``core`` the HF tokenizer's default chat template and its ``special_tokens_map`` (what
+    transformers renders with), so ``apply_chat_template`` can take the core's chat step; nothing when the
+    tokenizer has no string template (then transformers renders every chat)."""
+    try:
+        source = hf.get_chat_template()
+    except (ValueError, AttributeError, TypeError):
+        return
+    if isinstance(source, str) and source:
+        try:
+            core.use_chat_template(source, dict(getattr(hf, "special_tokens_map", {}) or {}))
+        except UnsupportedTokenizer as e:  # our sandbox cannot compile it: transformers keeps rendering
+            log.warning("chat template not served by the core (transformers renders it): %s", e)
+
+
+_PLAIN = (str, int, float, bool, type(None), list, dict)
+
+
+def _plain_message(m: Any) -> bool:
+    return type(m) is dict and all(type(v) in _PLAIN for v in m.values())
 
 
 def _neutral(kwargs: dict[str, Any]) -> bool:
