@@ -7,11 +7,13 @@ Dynamo does expose is the hook its own ``--dyn-chat-processor vllm|sglang`` uses
 discovered model with ``(instance_id, model_deployment_card, routed_engine)``; the factory returns a
 ``PythonAsyncEngine(generator, loop)`` that serves ``/v1/chat/completions`` for that model. Our generator:
 
-1. renders ``messages`` with the model's chat template (:class:`~toktier_backend.chat.template.ChatRenderer`,
-   the card's ``tokenizer_config.json`` / ``chat_template.jinja``, or ``--toktier-chat-template``);
-2. encodes the text through a session (:class:`FaceSessions`, the one adapter to the serving core), with
-   ``add_special_tokens=False`` as ``apply_chat_template(tokenize=True)`` does. The ids equal HF
-   ``Tokenizer.from_file(card_dir/tokenizer.json).encode(text, add_special_tokens=False).ids``;
+1. renders ``messages`` with the model's chat template (the card's ``tokenizer_config.json`` /
+   ``chat_template.jinja``, or ``--toktier-chat-template``) and encodes the text with
+   ``add_special_tokens=False`` as ``apply_chat_template(tokenize=True)`` does, in one call of the serving
+   core's chat step (:class:`FaceSessions`, the one adapter to the core: ``ServingCore.chat``), which renders
+   only what changed since the conversation's previous request, in the session of its key. The ids equal HF
+   ``Tokenizer.from_file(card_dir/tokenizer.json).encode(text, add_special_tokens=False).ids`` of the jinja2
+   reference render (:class:`~toktier_backend.chat.template.ChatRenderer`);
 3. sends Dynamo's preprocessed request (``token_ids`` + stop conditions + sampling options) to
    ``routed_engine.generate``: Dynamo's Rust KV router hashes these exact ids into blocks and picks the
    worker with the most overlap, and the worker (``ModelInput.Tokens``) receives them unchanged;
@@ -87,6 +89,7 @@ class FaceEncoded:
     route: str
     reused: int
     session: str | None
+    render: str | None = None  # a chat request's render route (``incremental`` or ``full:<reason>``)
 
 
 class FaceSessions:
@@ -107,13 +110,14 @@ class FaceSessions:
 
     def __init__(self, tokenizer: Any, *, name: str, max_sessions: int = 256, min_prefix_chars: int = 2048,
                  ttl_s: float = 600.0, verifier_rate: float = 0.01, verifier_first_n: int = 32,
-                 quarantine_file: str | None = None, metrics: Any = "default"):
+                 quarantine_file: str | None = None, metrics: Any = "default", chat_template: str | None = None):
         from toktier_backend.serving.core import CoreConfig, ServingCore
         from toktier_backend.serving.metrics import Origin
 
         config = CoreConfig(tokenizer=str(tokenizer.path), max_sessions=max_sessions,
                             min_prefix_chars=min_prefix_chars, session_ttl_s=ttl_s, verifier_rate=verifier_rate,
-                            verifier_first_n=verifier_first_n, quarantine_file=quarantine_file or "")
+                            verifier_first_n=verifier_first_n, quarantine_file=quarantine_file or "",
+                            chat_template=chat_template or "")
         kw = {} if metrics == "default" else {"metrics": metrics}
         self.core = ServingCore.from_config(config, tokenizer=tokenizer, **kw)
         self.core.name = name
@@ -139,6 +143,18 @@ class FaceSessions:
         """
         r = self.core.encode(self.origin, text, key=key, add_special_tokens=add_special_tokens, what="prompt")
         return FaceEncoded(r.ids.tolist(), r.shown_route, int(r.keep), r.session)
+
+    def chat(self, key: Hashable | None, messages: Any, **options: Any) -> FaceEncoded:
+        """Ids of a chat request (``ServingCore.chat``: rendered with the core's chat template, incrementally
+        in the session of ``key``, then encoded with ``add_special_tokens=False``). ``options``: the core's
+        (``tools``, ``documents``, ``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs``). Thread-safe; runs off the event loop.
+
+        Raises:
+            InvalidRequest: malformed messages or options, the template refused them, over the size limit.
+        """
+        r = self.core.chat(self.origin, messages, key=key, **options)
+        return FaceEncoded(r.ids.tolist(), r.shown_route, int(r.keep), r.session, r.render)
 
     def close(self) -> None:
         self.core.close()
@@ -209,24 +225,24 @@ class ChatProcessor:
     """Serves ``/v1/chat/completions`` of one model for Dynamo (``PythonAsyncEngine(self.generator, loop)``).
 
     Args:
-        sessions: the model's :class:`FaceSessions`.
-        renderer: a ``ChatRenderer`` of the model's chat template.
+        sessions: the model's :class:`FaceSessions` (its core holds the model's chat template).
         routed_engine: Dynamo's routed engine (KV router -> workers), from the factory call.
         eos_token_ids: ids that end generation (from the card's ``config.json`` / ``tokenizer_config.json``).
     """
 
-    def __init__(self, sessions: FaceSessions, renderer: Any, routed_engine: Any, eos_token_ids: list[int]):
+    def __init__(self, sessions: FaceSessions, routed_engine: Any, eos_token_ids: list[int]):
         self.sessions = sessions
-        self.renderer = renderer
         self.routed_engine = routed_engine
         self.eos_token_ids = list(eos_token_ids)
         self.hf = sessions.tokenizer.reference  # tokenizers.Tokenizer: detokenization
 
-    def prompt(self, request: dict[str, Any]) -> str:
-        """The rendered prompt text of a chat body.
+    def encode_request(self, request: dict[str, Any]) -> FaceEncoded:
+        """The prompt ids of a chat body (Dynamo hands it over parsed: ``request["messages"]`` is the one
+        place this face reads the conversation), through the core's chat step.
 
         Raises:
-            InvalidRequest: no ``messages`` list, ``n != 1``, or the template refuses the conversation.
+            InvalidRequest: no ``messages`` list, ``n != 1``, bad options, or the template refuses the
+                conversation.
         """
         if request.get("n", 1) != 1:
             raise InvalidRequest(f"n={request.get('n')!r}: only n=1 is served by the toktier chat processor")
@@ -234,13 +250,14 @@ class ChatProcessor:
         if not isinstance(kwargs, dict):
             raise InvalidRequest("chat_template_kwargs must be an object")
         cont = bool(request.get("continue_final_message", False))
-        return self.renderer.render(
+        return self.sessions.chat(
+            session_key(request),
             request.get("messages"),
             tools=request.get("tools"),
             documents=request.get("documents"),
             add_generation_prompt=bool(request.get("add_generation_prompt", not cont)),
             continue_final_message=cont,
-            **kwargs,
+            chat_template_kwargs=kwargs,
         )
 
     def preprocessed(self, request: dict[str, Any], ids: list[int], stop_ids: list[int]) -> dict[str, Any]:
@@ -283,9 +300,8 @@ class ChatProcessor:
         from dynamo.llm.exceptions import InvalidArgument
 
         try:
-            text = self.prompt(request)
             stop_texts, stop_ids = _stops(request)
-            enc = await asyncio.to_thread(self.sessions.encode, session_key(request), text)
+            enc = await asyncio.to_thread(self.encode_request, request)
         except ToktierError as e:  # InvalidRequest included: Dynamo answers 400 with this message
             raise InvalidArgument(f"{type(e).__name__}: {e}") from e
         preproc = self.preprocessed(request, enc.ids, stop_ids)
@@ -414,7 +430,6 @@ class EngineFactory:
         from dynamo.llm import PythonAsyncEngine
 
         import toktier_backend as tt
-        from toktier_backend.chat.template import ChatRenderer, load_chat_template, special_tokens
 
         if not mdc.model_type().supports_chat():
             raise RuntimeError(f"model {mdc.name()!r}: type {mdc.model_type()} has no chat surface")
@@ -426,17 +441,16 @@ class EngineFactory:
         a = self.args
         tok = await asyncio.to_thread(tt.load_tokenizer, str(path), engine=a.toktier_engine,
                                       max_chars=a.toktier_max_prompt_chars)
-        template = load_chat_template(path, a.toktier_chat_template)
-        if template is None:
-            raise RuntimeError(f"model {mdc.name()!r}: no chat template beside {path} (tokenizer_config.json / "
-                               "chat_template.jinja); pass --toktier-chat-template FILE")
         sessions = FaceSessions(tok, name=mdc.name(), max_sessions=a.toktier_max_sessions,
                                 min_prefix_chars=a.toktier_min_prefix_chars, ttl_s=a.toktier_session_idle_seconds,
                                 verifier_rate=a.toktier_verifier_rate, verifier_first_n=a.toktier_verifier_first_n,
-                                quarantine_file=a.toktier_quarantine_file)
+                                quarantine_file=a.toktier_quarantine_file, chat_template=a.toktier_chat_template)
+        if sessions.core.chat_template is None:
+            sessions.close()
+            raise RuntimeError(f"model {mdc.name()!r}: no chat template beside {path} (tokenizer_config.json / "
+                               "chat_template.jinja); pass --toktier-chat-template FILE")
         self.sessions[mdc.name()] = sessions
-        proc = ChatProcessor(sessions, ChatRenderer(template, special_tokens(path)), routed_engine,
-                             _eos_ids(tok.reference, folder))
+        proc = ChatProcessor(sessions, routed_engine, _eos_ids(tok.reference, folder))
         log.info("toktier chat processor for %s: %s (engine %s, eos %s)", mdc.name(), path, tok.engine.name,
                  proc.eos_token_ids)
         return PythonAsyncEngine(proc.generator, asyncio.get_running_loop())
