@@ -834,6 +834,7 @@ class ServingCore:
         """Render (incrementally, or in full while quarantined), advance the tokenizer session on the pool at
         REPAIR priority, hold and charge the entry, sample, count. The caller holds ``entry.lock``."""
         synced = entry.chat is not None and entry.chat_synced == entry.requests
+        entry.chat_synced = -1  # until this step has succeeded (a failed render or encode breaks the pairing)
         if quarantined:
             render = _FullRender(tpl.full_renderer().render(messages, **options), "full:quarantined")
             chat = None  # its records no longer describe the session's text: dropped, rebuilt when released
@@ -842,8 +843,7 @@ class ServingCore:
             chat = entry.chat
             if chat is None or getattr(chat, "template", None) is not tpl:
                 chat, synced = tpl.session(), False  # new, or made for a template the core no longer uses
-            render = chat.render(messages, **options)  # InvalidRequest: the chat session is unchanged
-        entry.chat_synced = -1  # until this step has succeeded
+            render = chat.render(messages, **options)
         update, size = self._chat_advance(render, entry.text_bytes, synced)
         if size > self.max_text_bytes:
             raise InvalidRequest(
