@@ -237,3 +237,28 @@ def test_chat_nbytes_bounds_what_a_session_holds(chat_folder):
         text = r.text
         width = 4 if any(ord(c) > 0xFFFF for c in text) else 2 if any(ord(c) > 0xFF for c in text) else 1
         assert held <= chat_nbytes(len(text), width, len(conv)), (name, held)
+
+
+def test_busy_and_evicted_conversations_stay_exact(chat_folder, tmp_path):
+    """A conversation whose session is in use gets a full render and a plain encode (``full:busy``); one
+    evicted under the byte budget (chat session and tokenizer session together) is rebuilt exactly."""
+    name = "llama3_1"
+    folder = chat_folder(name)
+    conv, _ = _trajectory(name, 12)
+    core, value = _core(folder, tmp_path, session_budget_bytes=1)  # every session alone is over the budget
+    r = core.chat(ORIGIN, conv[:4], key="a", add_generation_prompt=True)
+    assert r.ids.tolist() == _want(folder, name, conv[:4], add_generation_prompt=True)[1]
+    assert len(core.store) == 0 and value("toktier_session_evictions_total", cause="budget") == 1
+    r = core.chat(ORIGIN, conv[:6], key="a", add_generation_prompt=True)
+    assert r.fresh and r.ids.tolist() == _want(folder, name, conv[:6], add_generation_prompt=True)[1]
+
+    core, value = _core(folder, tmp_path)
+    core.chat(ORIGIN, conv[:4], key="b", add_generation_prompt=True)
+    entry = core.store.get("b")
+    with entry.lock:  # another request of the conversation is running
+        r = core.chat(ORIGIN, conv[:6], key="b", add_generation_prompt=True)
+    assert r.route == "busy" and r.render == "full:busy" and r.session is None
+    assert r.ids.tolist() == _want(folder, name, conv[:6], add_generation_prompt=True)[1]
+    r = core.chat(ORIGIN, conv[:8], key="b", add_generation_prompt=True)
+    assert r.render == "incremental" and r.ids.tolist() == _want(folder, name, conv[:8], add_generation_prompt=True)[1]
+    assert value("toktier_chat_renders_total", route="full", reason="busy") == 1
