@@ -23,7 +23,7 @@ Every metric carries ``face`` (who served the request: ``triton``, ``pytriton``,
 =========================================  =========  ==========================================================
 name                                       type       labels / meaning
 =========================================  =========  ==========================================================
-toktier_requests_total                     counter    model, route, mode (full | delta | encode)
+toktier_requests_total                     counter    model, route, mode (full | delta | encode | chat)
                                                       (every metric also has ``face``)
 toktier_request_errors_total               counter    model, code (INVALID_ARG | NOT_FOUND | UNAVAILABLE | INTERNAL)
 toktier_request_duration_seconds           histogram  model, route: handler time per request
