@@ -18,7 +18,7 @@ it answers as above and the whole text rebuilds it. Every START after the first 
 away and back never serves it.
 
 Per append the client does O(len(delta) + len(patch)) work, not O(context): the ids live in a
-:class:`~toktier_backend.pipeline.token_buffer.TokenBuffer` (ids only, geometric growth) that ``KEEP`` and
+:class:`~toktier_backend.pipeline.token_buffer.TokenBuffer` (ids only, capacity doubling) that ``KEEP`` and
 the patch are spliced into in place, and the text in a
 :class:`~toktier_backend.pipeline.text_store.TextStore` (blocks, joined only when :attr:`SessionClient.text`
 is read or a re-open resends it). The ids a call returns are a read-only view that later calls never change
@@ -140,6 +140,7 @@ class SessionClient:
         self._started = False
         self._headers = {SESSION_HEADER: routing_key(self.session_id)}  # the proxy routes by it
         self._dirty = False  # a request failed in transport: resend the whole text next
+        self._fixed: dict[tuple, tuple[list, list]] = {}  # (mode, reply, flag) -> the other inputs, outputs
 
     @property
     def sequence_id(self) -> int | str:
@@ -242,14 +243,19 @@ class SessionClient:
         if start:
             self._epoch += self._started  # never START an ID twice: some replica may hold its old state
             self._started = True
-        inputs = [
-            _tensor(mod, "TEXT", np.array([[text.encode("utf-8")]], dtype=np.object_), "BYTES"),
-            _tensor(mod, "MODE", np.array([[mode.encode()]], dtype=np.object_), "BYTES"),
-            _tensor(mod, "REPLY", np.array([[reply.encode()]], dtype=np.object_), "BYTES"),
-            _tensor(mod, "ADD_SPECIAL_TOKENS", np.array([[self.add_special_tokens]], dtype=np.bool_), "BOOL"),
-        ]
-        outputs = [mod.InferRequestedOutput(n) for n in ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")]
-        kwargs: dict[str, Any] = {"outputs": outputs, "headers": self._headers}
+        key = (mode, reply, bool(self.add_special_tokens))
+        fixed = self._fixed.get(key)
+        if fixed is None:
+            # the inputs besides TEXT, and the outputs, are the same for every request with this mode,
+            # reply and flag: built once (tritonclient reads them when it builds a request and never changes them)
+            fixed = self._fixed[key] = (
+                [_tensor(mod, "MODE", np.array([[mode.encode()]], dtype=np.object_), "BYTES"),
+                 _tensor(mod, "REPLY", np.array([[reply.encode()]], dtype=np.object_), "BYTES"),
+                 _tensor(mod, "ADD_SPECIAL_TOKENS", np.array([[self.add_special_tokens]], dtype=np.bool_), "BOOL")],
+                [mod.InferRequestedOutput(n) for n in ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")],
+            )
+        inputs = [_tensor(mod, "TEXT", np.array([[text.encode("utf-8")]], dtype=np.object_), "BYTES"), *fixed[0]]
+        kwargs: dict[str, Any] = {"outputs": fixed[1], "headers": self._headers}
         if self.timeout_s is not None and self.protocol == "grpc":
             kwargs["client_timeout"] = self.timeout_s
         if self.face == "native":
@@ -292,7 +298,7 @@ class _StartRequired(ToktierError):
 
 
 def _ids_buffer() -> TokenBuffer:
-    """An empty ids-only buffer (no prefix/suffix: KEEP counts all ids of a reply) with geometric growth."""
+    """An empty ids-only buffer (no prefix/suffix: KEEP counts all ids of a reply) with capacity doubling."""
     none = np.zeros(0, dtype=np.int32)
     return TokenBuffer(none, none, offsets=False, grow_max=None)
 

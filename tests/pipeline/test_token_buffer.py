@@ -64,11 +64,11 @@ ops = st.lists(
     st.tuples(st.integers(0, 40), st.lists(st.integers(0, 4), max_size=12), st.booleans()), max_size=40)
 
 
-@pytest.mark.parametrize("ids_only", [False, True], ids=["offsets", "ids_only_geometric"])
+@pytest.mark.parametrize("ids_only", [False, True], ids=["offsets", "ids_only_doubling"])
 @settings(max_examples=300, deadline=None)
 @given(ops, st.lists(st.integers(0, 4), max_size=2), st.lists(st.integers(0, 4), max_size=2))
 def test_every_reply_held_or_dropped_matches_the_list_model(ids_only, seq, prefix, suffix):
-    """Also for the ids-only buffer with unbounded geometric growth (``offsets=False, grow_max=None``, the
+    """Also for the ids-only buffer with unbounded doubling growth (``offsets=False, grow_max=None``, the
     Triton client's)."""
     kw = {"offsets": False, "grow_max": None} if ids_only else {}
     nbytes = None if ids_only else NBYTES

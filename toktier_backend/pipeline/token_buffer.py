@@ -20,7 +20,7 @@ reply, or keeps it across an append that re-encodes the tokens after the cut unc
 an edit or truncation that changes ids a held reply shows pays one copy of the ids (4 bytes per token).
 
 ``TokenBuffer(..., offsets=False, grow_max=None)`` is the ids alone (no ends: 4 bytes per token) with
-geometric growth (``headroom(n) = n // 16 + 16``): the ids a Triton client rebuilds from ``KEEP`` and a
+doubling growth (``headroom(n) = n + 16``): the ids a Triton client rebuilds from ``KEEP`` and a
 patch (:class:`toktier_backend.client.SessionClient`), where one session per process makes the bound on
 unused capacity moot and a copy per 4096 tokens would not be.
 """
@@ -41,8 +41,9 @@ def _refs(buf: "TokenBuffer") -> int:
 
 
 def headroom(n: int, grow_max: int | None = GROW_MAX) -> int:
-    """Spare slots given to a buffer grown (or shrunk) to hold ``n`` tokens (``grow_max=None``: unbounded)."""
-    return (n >> 4 if grow_max is None else min(n >> 4, grow_max)) + 16
+    """Spare slots given to a buffer grown (or shrunk) to hold ``n`` tokens (``grow_max=None``: ``n``, so the
+    capacity doubles)."""
+    return (n if grow_max is None else min(n >> 4, grow_max)) + 16
 
 
 class TokenBuffer:
@@ -53,7 +54,7 @@ class TokenBuffer:
         capacity: initial slots.
         offsets: keep the token end offsets (``False``: ids only; :meth:`splice` then takes no
             ``token_nbytes``, and the offset methods must not be called).
-        grow_max: most slots to grow by at once (``None``: unbounded, ``n // 16``); see :func:`headroom`.
+        grow_max: most slots to grow by at once (``None``: double the capacity); see :func:`headroom`.
 
     Invariant: every view returned by :meth:`ids` keeps the values it had when it was returned.
     """
