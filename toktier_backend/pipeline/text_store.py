@@ -48,6 +48,12 @@ class TextStore:
         """Bytes held by the text (``sys.getsizeof`` of each block: 1, 2 or 4 bytes per char + header). O(1)."""
         return self._nbytes
 
+    def blocks(self) -> tuple[str, ...]:
+        """A snapshot of the text: ``"".join(self.blocks())`` is the text as of this call, whatever the store
+        does later (blocks are ``str``, immutable; the store replaces blocks, never changes one). O(blocks):
+        at most ``len / BLOCK + 257``."""
+        return tuple(self._blocks)
+
     def replace(self, text: str) -> None:
         """Hold ``text`` (no copy)."""
         self._blocks = [text] if text else []
