@@ -12,7 +12,8 @@ Per face: a :class:`SessionClient` opens the session with the ~1M-char base text
 SWE-agent trajectories (``../shared/corpus/swe-agent``, else the bundled sample; consecutive turns
 joined up to that size), each timed with ``perf_counter_ns`` on the client (request to rebuilt ids). The
 **no-op floor** is the p50 of an empty ``delta`` on a one-word session through the same model (transport,
-batcher, Python-backend IPC and handler; no tokenization); ``noop@1M`` is an empty delta on the 1M session.
+batcher, Python-backend IPC and handler; no tokenization); ``noop@ctx`` is an empty delta on the 1M session
+(the same floor, like for like with the appends' context). Printed per face: append p50 minus each.
 
 Where the time goes: per native append, the ms inside tritonclient's ``infer`` (round trip) vs the client's
 own work around it (``SessionClient`` rebuilding text and ids), and Triton's per-model statistics (queue,
@@ -298,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         h, c = results["faces"]["handler"]["append"]["p50"], results["faces"]["in-process"]["append"]["p50"]
         print(f"handler in process: append p50 {h:.3f} ms, core Session.append p50 {c:.3f} ms: the handler adds "
               f"{h - c:.3f} ms")
+    for name in ("native", "pytriton"):
+        r = results["faces"].get(name)
+        if r:
+            a, fl, ctx = r["append"], r["noop_floor"], r["noop_at_context"]
+            r["above_floor_ms"] = {"p50": a["p50"] - fl["p50"], "p50_vs_noop_at_context": a["p50"] - ctx["p50"]}
+            print(f"{name}: append p50 - no-op floor p50 = {a['p50'] - fl['p50']:+.3f} ms (vs no-op@ctx "
+                  f"{a['p50'] - ctx['p50']:+.3f} ms); append p99 {a['p99']:.2f} ms; n {a['n']} appends, "
+                  f"{fl['n']} no-ops each")
     if native_floor:
         for name in ("native", "pytriton"):
             if name in results["faces"]:
