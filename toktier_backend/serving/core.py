@@ -725,7 +725,7 @@ class ServingCore:
         if self.metrics is not None:
             self.metrics.observe_reply(origin, mode, route, time.perf_counter() - t0, repair)
         if self.verifier is not None and self.verifier.wants():
-            # by reference, O(1) here: the text's blocks (joined on the verifier's thread) and the session's
+            # by reference, no O(n) copy here: the text's blocks (joined on the verifier's thread) and the session's
             # copy-on-write view of the ids, which no later call changes
             self.verifier.submit(entry.session.text_blocks(), entry.session.ids, frozen=True,
                                  add_special_tokens=entry.add_special_tokens, route=route,
