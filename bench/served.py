@@ -12,7 +12,12 @@ Per face: a :class:`SessionClient` opens the session with the ~1M-char base text
 SWE-agent trajectories (``../shared/corpus/swe-agent``, else the bundled sample; consecutive turns
 joined up to that size), each timed with ``perf_counter_ns`` on the client (request to rebuilt ids). The
 **no-op floor** is the p50 of an empty ``delta`` on a one-word session through the same model (transport,
-batcher, Python-backend IPC and handler; no tokenization); ``noop@1M`` is an empty delta on the 1M session.
+batcher, Python-backend IPC and handler; no tokenization); ``noop@ctx`` is an empty delta on the 1M session
+(the same floor, like for like with the appends' context). By default one of each is sent after every timed
+append (``--no-interleave``: in blocks after the appends), so that all three see the same moments of a busy
+machine, and before the timed appends the bench waits (``--settle-s``) until the server is idle: the shadow
+verifier's first samples, queued during the warmup, each re-encode the whole text with HF. Printed per face:
+append p50 minus each floor p50, and the median of the per-step differences (append - floor).
 
 Where the time goes: per native append, the ms inside tritonclient's ``infer`` (round trip) vs the client's
 own work around it (``SessionClient`` rebuilding text and ids), and Triton's per-model statistics (queue,
@@ -124,12 +129,56 @@ def stats_delta(a: dict, b: dict) -> dict:
     return out
 
 
-def run_face(face: str, server, base: str, deltas: list[str], warmup: int, floor_n: int) -> dict:
+def wait_idle(server, max_s: float, *, below: float = 0.05, window_s: float = 0.5) -> float | None:
+    """Wait until the server's process tree (tritonserver and its Python backend stubs) uses under ``below``
+    of one core over ``window_s``, for at most ``max_s`` seconds: the shadow verifier's first samples
+    (``verifier_first_n`` per instance, each a whole-text HF re-encode) queue up during the warmup and would
+    otherwise run on the same cores as the timed appends. Returns the seconds waited (``None``: no psutil
+    or no server process; ``max_s``: never went idle)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    proc = getattr(server, "process", None)
+    if proc is None or max_s <= 0:
+        return None
+    root = psutil.Process(proc.pid)
+
+    def cpu() -> float:
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_s:
+        a = cpu()
+        time.sleep(window_s)
+        if cpu() - a < below * window_s:
+            return time.monotonic() - t0
+    return max_s
+
+
+def run_face(face: str, server, base: str, deltas: list[str], warmup: int, floor_n: int, *,
+             interleave: bool = True, settle_s: float = 180.0) -> dict:
+    """Appends on a ~1M-char session and the two no-op floors, through ``SessionClient``.
+
+    ``interleave``: after each timed append, one empty delta on the one-word floor session and one on the
+    1M session (noop@ctx), so the three are sampled at the same moments of a busy machine (Triton's phase
+    statistics are then of the mixed window; the floor's alone are taken after). Otherwise: the appends, then
+    ``floor_n`` noop@ctx, then ``floor_n`` floor requests, each block with its own statistics.
+    """
     from toktier_backend.client import SessionClient
 
     kind = "native" if face == "native" else "pytriton"
     c = SessionClient(server.grpc_url, face=kind, reply="patch")
     timer = c._client = _InferTimer(c._client)
+    f = SessionClient(server.grpc_url, face=kind, reply="patch")
+    ftimer = f._client = _InferTimer(f._client)
     if kind == "native":
         import tritonclient.grpc as grpcclient
 
@@ -137,10 +186,15 @@ def run_face(face: str, server, base: str, deltas: list[str], warmup: int, floor
         stats = lambda: triton_stats(stats_client, "toktier_session")  # noqa: E731
     else:
         stats = lambda: None  # noqa: E731
+    f.open("floor")
+    for _ in range(5):  # warmup
+        f.append("")
     open_ms, _ = timed_ms(lambda: c.open(base))
-    times, infer_ms, routes, patch_len = [], [], Counter(), []
+    times, infer_ms, routes, patch_len, floor, floor_infer, noop_big = [], [], Counter(), [], [], [], []
+    waited = None
     for i, d in enumerate(deltas):
         if i == warmup:
+            waited = wait_idle(server, settle_s)
             s0 = stats()
         ms, ids = timed_ms(lambda: c.append(d))
         if i >= warmup:
@@ -148,29 +202,35 @@ def run_face(face: str, server, base: str, deltas: list[str], warmup: int, floor
             infer_ms.append(timer.ms[-1])
             routes[c.last.route] += 1
             patch_len.append(c.last.n - c.last.keep)
+            if interleave:
+                floor.append(timed_ms(lambda: f.append(""))[0])
+                floor_infer.append(ftimer.ms[-1])
+                noop_big.append(timed_ms(lambda: c.append(""))[0])
     s1 = stats()
-    noop_big = [timed_ms(lambda: c.append(""))[0] for _ in range(floor_n)]
+    if not interleave:
+        noop_big = [timed_ms(lambda: c.append(""))[0] for _ in range(floor_n)]
     final_ids, final_text = c.ids.copy(), c.text
     reopens = c.reopens
     c.close()
-    f = SessionClient(server.grpc_url, face=kind, reply="patch")
-    ftimer = f._client = _InferTimer(f._client)
-    f.open("floor")
-    for _ in range(5):  # warmup
-        f.append("")
     s2 = stats()
-    floor = [timed_ms(lambda: f.append(""))[0] for _ in range(floor_n)]
+    alone = [timed_ms(lambda: f.append(""))[0] for _ in range(floor_n)]
     s3 = stats()
+    if not interleave:
+        floor, floor_infer = alone, ftimer.ms[-floor_n:]
     f.close()
     out = {
         "open_ms": open_ms, "append": pct(times), "noop_floor": pct(floor), "noop_at_context": pct(noop_big),
-        "append_infer": pct(infer_ms), "noop_floor_infer": pct(ftimer.ms[-floor_n:]),
+        "append_infer": pct(infer_ms), "noop_floor_infer": pct(floor_infer),
         "append_client_only": pct([a - b for a, b in zip(times, infer_ms)]),
         "routes": dict(routes), "patch_ids_mean": float(np.mean(patch_len)), "reopens": reopens,
+        "interleaved": interleave, "settle_waited_s": waited,
         "_ids": final_ids, "_text": final_text,
     }
+    if interleave:
+        out["append_minus_floor_paired"] = pct([a - b for a, b in zip(times, floor)])
+        out["noop_floor_alone"] = pct(alone)
     if kind == "native":
-        out["triton_append"] = stats_delta(s0, s1)
+        out["triton_append" if not interleave else "triton_mixed"] = stats_delta(s0, s1)
         out["triton_floor"] = stats_delta(s2, s3)
     return out
 
@@ -229,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", type=int, default=60, help="no-op requests per face")
     ap.add_argument("--faces", default="native,pytriton", help="comma list of native, pytriton, handler (the "
                     "Handler in this process, no Triton)")
+    ap.add_argument("--no-interleave", dest="interleave", action="store_false",
+                    help="time the no-op floors in blocks after the appends instead of one of each after every append")
+    ap.add_argument("--settle-s", type=float, default=180.0, help="after the warmup, wait up to this long for the "
+                    "server to go idle (the shadow verifier's first samples); 0: do not wait")
     ap.add_argument("--corpus", default=None, help="folder of *.traj for the appends (default: ../shared/corpus/"
                     "swe-agent if present, else the bundled sample)")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
@@ -263,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         server = cls(args.tokenizer, http_port=0, grpc_port=0, metrics_port=0, log_path=logs / f"served-{face}.log", **kw)
         server.start().wait_ready(300)
         try:
-            results["faces"][face] = run_face(face, server, base, deltas, args.warmup, args.floor)
+            results["faces"][face] = run_face(face, server, base, deltas, args.warmup, args.floor,
+                                              interleave=args.interleave, settle_s=args.settle_s)
         finally:
             server.stop()
 
@@ -290,14 +355,26 @@ def main(argv: list[str] | None = None) -> int:
             a, fl = r["append_infer"], r["noop_floor_infer"]
             print(f"{name}: inside infer() p50 {a['p50']:.3f} ms (floor {fl['p50']:.3f}); client rebuild p50 "
                   f"{r['append_client_only']['p50']:.3f} ms")
-        if r and "triton_append" in r:
-            ta, tf = r["triton_append"], r["triton_floor"]
-            print(f"{name}: Triton mean ms per request, append / floor: " + ", ".join(
+        if r and ("triton_append" in r or "triton_mixed" in r):
+            what = "append" if "triton_append" in r else "append+2 no-ops (interleaved)"
+            ta, tf = r.get("triton_append") or r["triton_mixed"], r["triton_floor"]
+            print(f"{name}: Triton mean ms per request, {what} / floor: " + ", ".join(
                 f"{k[:-3]} {ta[k]:.3f}/{tf[k]:.3f}" for k in ta if ta[k] is not None and tf[k] is not None))
     if "handler" in results["faces"] and "in-process" in results["faces"]:
         h, c = results["faces"]["handler"]["append"]["p50"], results["faces"]["in-process"]["append"]["p50"]
         print(f"handler in process: append p50 {h:.3f} ms, core Session.append p50 {c:.3f} ms: the handler adds "
               f"{h - c:.3f} ms")
+    for name in ("native", "pytriton"):
+        r = results["faces"].get(name)
+        if r:
+            a, fl, ctx = r["append"], r["noop_floor"], r["noop_at_context"]
+            r["above_floor_ms"] = {"p50": a["p50"] - fl["p50"], "p50_vs_noop_at_context": a["p50"] - ctx["p50"]}
+            paired = r.get("append_minus_floor_paired")
+            print(f"{name}: append p50 - no-op floor p50 = {a['p50'] - fl['p50']:+.3f} ms (vs no-op@ctx "
+                  f"{a['p50'] - ctx['p50']:+.3f} ms" + (f"; paired, median of per-step differences "
+                  f"{paired['p50']:+.3f} ms" if paired else "") + f"); append p99 {a['p99']:.2f} ms; n {a['n']} "
+                  f"appends, {fl['n']} no-ops each ({'interleaved' if r.get('interleaved') else 'in blocks'}; "
+                  f"waited {r.get('settle_waited_s') or 0:.1f} s for an idle server after the warmup)")
     if native_floor:
         for name in ("native", "pytriton"):
             if name in results["faces"]:

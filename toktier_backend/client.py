@@ -17,6 +17,13 @@ it answers as above and the whole text rebuilds it. Every START after the first 
 (:attr:`SessionClient.sequence_id`), so a replica still holding an older state of a session that moved
 away and back never serves it.
 
+Per append the client does O(len(delta) + len(patch)) work, not O(context): the ids live in a
+:class:`~toktier_backend.pipeline.token_buffer.TokenBuffer` (ids only, capacity doubling) that ``KEEP`` and
+the patch are spliced into in place, and the text in a
+:class:`~toktier_backend.pipeline.text_store.TextStore` (blocks, joined only when :attr:`SessionClient.text`
+is read or a re-open resends it). The ids a call returns are a read-only view that later calls never change
+(copy-on-write: a splice that would change a slot a live view shows copies the ids first).
+
 ``tritonclient`` is imported on first use. A ``tritonclient.http`` client is not thread-safe: give each
 thread its own ``SessionClient`` (the default: each one opens its own connection).
 
@@ -36,12 +43,14 @@ import itertools
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 
 from toktier_backend.errors import InvalidRequest, ToktierError, UnknownSession
 from toktier_backend.deploy.fleet import SESSION_HEADER, routing_key
+from toktier_backend.pipeline.text_store import TextStore
+from toktier_backend.pipeline.token_buffer import TokenBuffer
 
 _counter = itertools.count(1)
 
@@ -72,7 +81,13 @@ class SessionClient:
         add_special_tokens: HF ``add_special_tokens`` for the session.
         client: an existing ``tritonclient`` client to share (gRPC clients are thread-safe; HTTP ones are not).
         timeout_s: per-request client timeout, in seconds (``None``: none).
-        verify: also check ``len(ids) == REQUEST_INPUT_LEN`` on every reply (cheap; default on).
+        verify: also check ``len(ids) == REQUEST_INPUT_LEN`` on every reply (cheap; default on). A reply
+            whose ``KEEP`` exceeds the ids held is refused either way (:class:`ToktierError`).
+
+    Attributes:
+        text: the session text the client tracks (``str``; joined from blocks on read: O(n)).
+        ids: ``int32[n]``, a read-only view of the last reply's ids (HF ``encode(text).ids``).
+        last: the last :class:`Reply`; ``reopens``: transparent re-opens so far.
     """
 
     def __init__(
@@ -116,8 +131,8 @@ class SessionClient:
             http_kw = {"network_timeout": timeout_s, "connection_timeout": timeout_s} if protocol == "http" and timeout_s else {}
             client = mod.InferenceServerClient(url, **http_kw)
         self._client = client
-        self.text = ""
-        self.ids = np.zeros(0, dtype=np.int32)
+        self._store = TextStore()
+        self._buf = _ids_buffer()
         self.is_open = False
         self.last: Reply | None = None
         self.reopens = 0  # transparent re-opens so far
@@ -125,6 +140,7 @@ class SessionClient:
         self._started = False
         self._headers = {SESSION_HEADER: routing_key(self.session_id)}  # the proxy routes by it
         self._dirty = False  # a request failed in transport: resend the whole text next
+        self._fixed: dict[tuple, tuple[list, list]] = {}  # (mode, reply, flag) -> the other inputs, outputs
 
     @property
     def sequence_id(self) -> int | str:
@@ -136,30 +152,43 @@ class SessionClient:
         """
         return self.session_id if self._epoch == 0 else f"{self.session_id}#{self._epoch}"
 
+    @property
+    def text(self) -> str:
+        """The session text: what the server's ids are of once the last call returned (O(n) on first read
+        after appends; the joined string is kept)."""
+        return self._store.text
+
+    @property
+    def ids(self) -> np.ndarray:
+        """``int32[n]``, read-only: the ids of :attr:`text` (the last reply). Never changed by later calls."""
+        return self._buf.ids()
+
     # ------------------------------------------------------------ session API
 
     def open(self, text: str = "") -> np.ndarray:
         """Start the sequence (START) with the whole ``text``. Returns ids int32[n] (HF ``encode(text).ids``)."""
         ids = self._send(text, mode="full", start=True)
         self.is_open = True
-        self.text = text
+        self._store.replace(text)
         return ids
 
     def update(self, text: str) -> np.ndarray:
         """Send the whole new ``text`` (``MODE=full``); opens the session if needed. Returns ids int32[n]."""
         if not self.is_open:
             return self.open(text)
-        ids = self._request(text, "full", full_text=text)
-        self.text = text
+        ids = self._request(text, "full", full_text=lambda: text)
+        self._store.replace(text)
         return ids
 
     def append(self, delta: str) -> np.ndarray:
-        """Send only the appended ``delta`` (``MODE=delta``). Returns ids int32[n] of ``text + delta``."""
+        """Send only the appended ``delta`` (``MODE=delta``). Returns ids int32[n] of ``text + delta``.
+
+        O(len(delta) + len(patch)) here; the whole text is joined only when the server must be re-opened.
+        """
         if not self.is_open:
             return self.open(self.text + delta)
-        full = self.text + delta
-        ids = self._request(delta, "delta", full_text=full)
-        self.text = full
+        ids = self._request(delta, "delta", full_text=lambda: self.text + delta)
+        self._store.append(delta)
         return ids
 
     def close(self) -> None:
@@ -185,23 +214,25 @@ class SessionClient:
 
     # ------------------------------------------------------------ transport
 
-    def _request(self, payload: str, mode: str, *, full_text: str) -> np.ndarray:
+    def _request(self, payload: str, mode: str, *, full_text: Callable[[], str]) -> np.ndarray:
+        """Send ``payload``; on the paths that need the whole text, ``full_text()`` builds it (O(n), so only
+        there). The client's text is updated by the caller once this returns."""
         reply, reopened = None, False
         if self._dirty:
             # an earlier request failed in transport: the server may or may not have applied it, so the
             # ids we hold may not be the ones KEEP refers to. The whole text with a full reply is exact.
-            payload, mode, reply, reopened = full_text, "full", "full", True
+            payload, mode, reply, reopened = full_text(), "full", "full", True
         try:
             return self._send(payload, mode=mode, reply=reply, reopened=reopened)
         except _StartRequired:
             # the sequence batcher forgot the sequence (idle timeout): a new sequence with the whole text
             self.reopens += 1
-            return self._send(full_text, mode="full", start=True, reopened=True)
+            return self._send(full_text(), mode="full", start=True, reopened=True)
         except UnknownSession:
             # the model instance forgot the session but the sequence is live: the whole text rebuilds it.
             # PyTriton has no sequence batcher to pin the ID to one replica: a new one (START) there.
             self.reopens += 1
-            return self._send(full_text, mode="full", start=self.face == "pytriton", reopened=True)
+            return self._send(full_text(), mode="full", start=self.face == "pytriton", reopened=True)
 
     def _send(
         self, text: str, *, mode: str, start: bool = False, end: bool = False, reopened: bool = False,
@@ -212,14 +243,19 @@ class SessionClient:
         if start:
             self._epoch += self._started  # never START an ID twice: some replica may hold its old state
             self._started = True
-        inputs = [
-            _tensor(mod, "TEXT", np.array([[text.encode("utf-8")]], dtype=np.object_), "BYTES"),
-            _tensor(mod, "MODE", np.array([[mode.encode()]], dtype=np.object_), "BYTES"),
-            _tensor(mod, "REPLY", np.array([[reply.encode()]], dtype=np.object_), "BYTES"),
-            _tensor(mod, "ADD_SPECIAL_TOKENS", np.array([[self.add_special_tokens]], dtype=np.bool_), "BOOL"),
-        ]
-        outputs = [mod.InferRequestedOutput(n) for n in ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")]
-        kwargs: dict[str, Any] = {"outputs": outputs, "headers": self._headers}
+        key = (mode, reply, bool(self.add_special_tokens))
+        fixed = self._fixed.get(key)
+        if fixed is None:
+            # the inputs besides TEXT, and the outputs, are the same for every request with this mode,
+            # reply and flag: built once (tritonclient reads them when it builds a request and never changes them)
+            fixed = self._fixed[key] = (
+                [_tensor(mod, "MODE", np.array([[mode.encode()]], dtype=np.object_), "BYTES"),
+                 _tensor(mod, "REPLY", np.array([[reply.encode()]], dtype=np.object_), "BYTES"),
+                 _tensor(mod, "ADD_SPECIAL_TOKENS", np.array([[self.add_special_tokens]], dtype=np.bool_), "BOOL")],
+                [mod.InferRequestedOutput(n) for n in ("INPUT_ID", "REQUEST_INPUT_LEN", "KEEP", "ROUTE")],
+            )
+        inputs = [_tensor(mod, "TEXT", np.array([[text.encode("utf-8")]], dtype=np.object_), "BYTES"), *fixed[0]]
+        kwargs: dict[str, Any] = {"outputs": fixed[1], "headers": self._headers}
         if self.timeout_s is not None and self.protocol == "grpc":
             kwargs["client_timeout"] = self.timeout_s
         if self.face == "native":
@@ -239,19 +275,19 @@ class SessionClient:
         keep = int(result.as_numpy("KEEP").reshape(-1)[0])
         route = result.as_numpy("ROUTE").reshape(-1)[0]
         route = route.decode() if isinstance(route, bytes) else str(route)
-        if reply == "patch":
-            ids = np.concatenate([self.ids[:keep], patch]) if keep else patch.copy()
-        else:
-            ids = patch.copy()
-        if self.face == "pytriton" and len(ids) == n + 1 and ids[-1] == -1:
-            ids = ids[:n]  # PyTriton 0.7 sends "no ids" as [-1]
-        if self.verify and (len(ids) != n or (reply == "patch" and keep > len(self.ids))):
-            self._dirty = True
+        held = self._buf.n_body
+        keep_now = keep if reply == "patch" else 0  # ids of the held reply the new one starts with
+        if self.face == "pytriton" and len(patch) and keep_now + len(patch) == n + 1 and patch[-1] == -1:
+            patch = patch[:-1]  # PyTriton 0.7 sends "no ids" as [-1]
+        if keep_now > held or (self.verify and keep_now + len(patch) != n):
+            self._dirty = True  # the held ids stay as they were; the next request resends the whole text
             raise ToktierError(
-                f"session {self.session_id!r}: reply does not add up (KEEP={keep}, held {len(self.ids)} ids, "
+                f"session {self.session_id!r}: reply does not add up (KEEP={keep}, held {held} ids, "
                 f"INPUT_ID {len(patch)}, REQUEST_INPUT_LEN={n})"
             )
-        self.ids = ids
+        # ids[:keep] + patch, written in place past KEEP (copy-on-write for views handed out earlier)
+        self._buf.splice(keep_now, patch)
+        ids = self._buf.ids()
         self._dirty = False
         self.last = Reply(keep=keep, n=n, route=route, reopened=reopened)
         return ids
@@ -259,6 +295,12 @@ class SessionClient:
 
 class _StartRequired(ToktierError):
     """Triton's sequence batcher holds no live sequence for this correlation ID (idle timeout)."""
+
+
+def _ids_buffer() -> TokenBuffer:
+    """An empty ids-only buffer (no prefix/suffix: KEEP counts all ids of a reply) with capacity doubling."""
+    none = np.zeros(0, dtype=np.int32)
+    return TokenBuffer(none, none, offsets=False, grow_max=None)
 
 
 def _tensor(mod, name: str, value: np.ndarray, dtype: str):

@@ -393,6 +393,11 @@ class Session:
         """The session's whole text (joins blocks on first access after appends: O(n))."""
         return self._store.text
 
+    def text_blocks(self) -> tuple[str, ...]:
+        """The text as an immutable snapshot of blocks, O(blocks) (``"".join`` gives :attr:`text` as of this
+        call; ``pipeline/text_store.py``): for a reader off the request path, which joins it there."""
+        return self._store.blocks()
+
     def __len__(self) -> int:
         """Length of the text (chars)."""
         return len(self._store)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +41,9 @@ def test_text_store_matches_str(seq, probe):
             else:
                 assert store.text == model
             assert len(store) == len(model)
+            # the running byte total equals the blocks' sizes, measured afresh (the budget's input)
+            assert store.nbytes == sum(sys.getsizeof(b) for b in store._blocks)
+            assert (store.nbytes == 0) == (model == "")
             for k in (0, 1, len(model) // 2, max(0, len(model) - 3), len(model)):
                 assert store.tail(k) == model[k:]
             other = model[: len(probe) % (len(model) + 1)] + probe

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,21 +64,27 @@ ops = st.lists(
     st.tuples(st.integers(0, 40), st.lists(st.integers(0, 4), max_size=12), st.booleans()), max_size=40)
 
 
+@pytest.mark.parametrize("ids_only", [False, True], ids=["offsets", "ids_only_doubling"])
 @settings(max_examples=300, deadline=None)
 @given(ops, st.lists(st.integers(0, 4), max_size=2), st.lists(st.integers(0, 4), max_size=2))
-def test_every_reply_held_or_dropped_matches_the_list_model(seq, prefix, suffix):
-    buf = TokenBuffer(np.array(prefix, np.int32), np.array(suffix, np.int32), capacity=1)
+def test_every_reply_held_or_dropped_matches_the_list_model(ids_only, seq, prefix, suffix):
+    """Also for the ids-only buffer with unbounded doubling growth (``offsets=False, grow_max=None``, the
+    Triton client's)."""
+    kw = {"offsets": False, "grow_max": None} if ids_only else {}
+    nbytes = None if ids_only else NBYTES
+    buf = TokenBuffer(np.array(prefix, np.int32), np.array(suffix, np.int32), capacity=1, **kw)
     body: list[int] = []
     held: list[tuple[np.ndarray, list[int]]] = []
-    buf.splice(0, np.zeros(0, np.int32), NBYTES)
+    buf.splice(0, np.zeros(0, np.int32), nbytes)
     for keep, new, hold in seq:
         keep = min(keep, len(body))
-        buf.splice(keep, np.array(new, np.int32), NBYTES)
+        buf.splice(keep, np.array(new, np.int32), nbytes)
         body = body[:keep] + new
         reply = buf.ids()
         want = prefix + body + suffix
         assert reply.tolist() == want and not reply.flags.writeable
-        assert buf.body_nbytes == int(NBYTES[body].sum()) if body else buf.body_nbytes == 0
+        if not ids_only:
+            assert buf.body_nbytes == int(NBYTES[body].sum()) if body else buf.body_nbytes == 0
         if hold:
             held.append((reply, want))
         for r, w in held:

@@ -183,3 +183,29 @@ def test_quarantine_drops_prefix_reuse(tok):
     tok.quarantine("full", "test")
     assert len(tok.prefix_index) == 0
     assert tok.encode(head + "second tail").tolist() == ref(tok, head + "second tail")
+
+
+def test_sample_taken_by_reference_is_the_state_at_reply_time(tok):
+    """The core hands a sampled session reply over by reference (its text blocks, its copy-on-write ids
+    view): appends, an edit and a truncation of the session after the reply, before the check runs, change
+    nothing the sample holds, so every check passes against the HF ids of the text as it was."""
+    v = Verifier(tok, rate=1.0, first_n=0)
+    gate = threading.Event()
+    real = v._check
+    checked: list[tuple[str, list[int]]] = []
+    v._check = lambda s: (gate.wait(10), checked.append((s.text, s.ids.tolist())), real(s))
+    h = Handler(tok, name="gpt2-test", verifier=v)
+    h.handle_session("k", b"def pipe", start=True)
+    texts = ["def pipe"]
+    for delta in ["line(x):", "\n    return x", " + 1\n"]:
+        h.handle_session("k", delta.encode(), mode="delta", reply="patch")
+        texts.append(texts[-1] + delta)
+    for new in [texts[-1].replace("pipe", "pipes"), texts[-1][:10]]:  # an edit, then a truncation
+        h.handle_session("k", new.encode(), mode="full", reply="patch")
+        texts.append(new)
+    gate.set()
+    assert v.drain(30)
+    assert [t for t, _ in checked] == texts
+    assert [ids for _, ids in checked] == [ref(tok, t) for t in texts]
+    assert v.samples == len(texts) and v.mismatches == 0
+    v.close()

@@ -9,6 +9,8 @@ a reference to the caller's string (it carries the whole text anyway).
 
 from __future__ import annotations
 
+import sys
+
 #: Target block size in chars: the open tail is frozen into one block once it reaches this size.
 BLOCK = 1 << 16
 
@@ -16,15 +18,18 @@ BLOCK = 1 << 16
 class TextStore:
     """The text of one session, as blocks.
 
-    Invariant: ``"".join(self._blocks) == text`` and ``len(text) == self._len``.
+    Invariant: ``"".join(self._blocks) == text``, ``len(text) == self._len`` and
+    ``self._nbytes == sum(sys.getsizeof(b) for b in self._blocks)`` (kept as blocks change, so :attr:`nbytes`,
+    read on every served request, is O(1)).
     """
 
-    __slots__ = ("_blocks", "_len", "_tail_len")
+    __slots__ = ("_blocks", "_len", "_tail_len", "_nbytes")
 
     def __init__(self, text: str = ""):
         self._blocks: list[str] = [text] if text else []
         self._len = len(text)
         self._tail_len = 0  # chars in the open (not yet frozen) trailing blocks
+        self._nbytes = sys.getsizeof(text) if text else 0
 
     def __len__(self) -> int:
         return self._len
@@ -35,20 +40,26 @@ class TextStore:
         if len(self._blocks) > 1:
             self._blocks = ["".join(self._blocks)]
             self._tail_len = 0
+            self._nbytes = sys.getsizeof(self._blocks[0])
         return self._blocks[0] if self._blocks else ""
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the text (``sys.getsizeof`` of each block: 1, 2 or 4 bytes per char + header)."""
-        import sys
+        """Bytes held by the text (``sys.getsizeof`` of each block: 1, 2 or 4 bytes per char + header). O(1)."""
+        return self._nbytes
 
-        return sum(sys.getsizeof(b) for b in self._blocks)
+    def blocks(self) -> tuple[str, ...]:
+        """A snapshot of the text: ``"".join(self.blocks())`` is the text as of this call, whatever the store
+        does later (blocks are ``str``, immutable; the store replaces blocks, never changes one). O(blocks):
+        at most ``len / BLOCK + 257``."""
+        return tuple(self._blocks)
 
     def replace(self, text: str) -> None:
         """Hold ``text`` (no copy)."""
         self._blocks = [text] if text else []
         self._len = len(text)
         self._tail_len = 0
+        self._nbytes = sys.getsizeof(text) if text else 0
 
     def append(self, delta: str) -> None:
         """Append ``delta``: amortized O(len(delta))."""
@@ -57,9 +68,11 @@ class TextStore:
         self._blocks.append(delta)
         self._len += len(delta)
         self._tail_len += len(delta)
+        self._nbytes += sys.getsizeof(delta)
         if self._tail_len >= BLOCK or len(self._blocks) > 256:
             k = self._open_count()
             joined = "".join(self._blocks[-k:])
+            self._nbytes += sys.getsizeof(joined) - sum(sys.getsizeof(b) for b in self._blocks[-k:])
             del self._blocks[-k:]
             self._blocks.append(joined)
             self._tail_len = 0
@@ -99,9 +112,11 @@ class TextStore:
             b = self._blocks[-1]
             if len(b) <= drop:
                 self._blocks.pop()
+                self._nbytes -= sys.getsizeof(b)
                 drop -= len(b)
             else:
-                self._blocks[-1] = b[: len(b) - drop]
+                cut = self._blocks[-1] = b[: len(b) - drop]
+                self._nbytes += sys.getsizeof(cut) - sys.getsizeof(b)
                 drop = 0
         self._len = n
         self._tail_len = min(self._tail_len, n)

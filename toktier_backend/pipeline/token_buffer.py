@@ -18,6 +18,11 @@ a live view shows a *different* id copies the kept ids into a fresh array first 
 to its views; writing the same ids, or slots past every view, stays in place. So a caller that drops its
 reply, or keeps it across an append that re-encodes the tokens after the cut unchanged, pays O(append);
 an edit or truncation that changes ids a held reply shows pays one copy of the ids (4 bytes per token).
+
+``TokenBuffer(..., offsets=False, grow_max=None)`` is the ids alone (no ends: 4 bytes per token) with
+doubling growth (``headroom(n) = n + 16``): the ids a Triton client rebuilds from ``KEEP`` and a
+patch (:class:`toktier_backend.client.SessionClient`), where one session per process makes the bound on
+unused capacity moot and a copy per 4096 tokens would not be.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ def _refs(buf: "TokenBuffer") -> int:
     return sys.getrefcount(buf._ids)
 
 
-def headroom(n: int) -> int:
-    """Spare slots given to a buffer grown (or shrunk) to hold ``n`` tokens."""
-    return min(n >> 4, GROW_MAX) + 16
+def headroom(n: int, grow_max: int | None = GROW_MAX) -> int:
+    """Spare slots given to a buffer grown (or shrunk) to hold ``n`` tokens (``grow_max=None``: ``n``, so the
+    capacity doubles)."""
+    return (n if grow_max is None else min(n >> 4, grow_max)) + 16
 
 
 class TokenBuffer:
@@ -46,18 +52,23 @@ class TokenBuffer:
     Args:
         prefix, suffix: ``int32`` ids the post-processor puts around the body.
         capacity: initial slots.
+        offsets: keep the token end offsets (``False``: ids only; :meth:`splice` then takes no
+            ``token_nbytes``, and the offset methods must not be called).
+        grow_max: most slots to grow by at once (``None``: double the capacity); see :func:`headroom`.
 
     Invariant: every view returned by :meth:`ids` keeps the values it had when it was returned.
     """
 
-    __slots__ = ("_ids", "_ends", "_n", "_prefix", "_suffix", "_shown")
+    __slots__ = ("_ids", "_ends", "_n", "_prefix", "_suffix", "_shown", "_grow_max")
 
-    def __init__(self, prefix: np.ndarray, suffix: np.ndarray, capacity: int = 16):
+    def __init__(self, prefix: np.ndarray, suffix: np.ndarray, capacity: int = 16, *, offsets: bool = True,
+                 grow_max: int | None = GROW_MAX):
         self._prefix = prefix
         self._suffix = suffix
+        self._grow_max = grow_max
         cap = max(capacity, len(prefix) + len(suffix) + 1)
         self._ids = np.empty(cap, dtype=np.int32)
-        self._ends = np.empty(cap, dtype=np.int32)
+        self._ends = np.empty(cap, dtype=np.int32) if offsets else None
         self._ids[: len(prefix)] = prefix
         self._n = 0  # body tokens
         self._shown = 0  # longest view handed out of the current ids array (slots)
@@ -81,8 +92,8 @@ class TokenBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the two arrays (data and array objects; capacity, not just the used part)."""
-        return sys.getsizeof(self._ids) + sys.getsizeof(self._ends)
+        """Bytes held by the arrays (data and array objects; capacity, not just the used part)."""
+        return sys.getsizeof(self._ids) + (0 if self._ends is None else sys.getsizeof(self._ends))
 
     @property
     def capacity(self) -> int:
@@ -108,10 +119,11 @@ class TokenBuffer:
         k = int(np.searchsorted(self._ends[: self._n], np.int32(nbytes), side="right"))
         return k if k > 0 and self._ends[k - 1] == nbytes else None
 
-    def splice(self, keep: int, new_ids: np.ndarray, token_nbytes: np.ndarray) -> None:
+    def splice(self, keep: int, new_ids: np.ndarray, token_nbytes: np.ndarray | None = None) -> None:
         """Keep the first ``keep`` body tokens, append ``new_ids`` (``np.ndarray[int32]``) after them.
 
-        ``token_nbytes``: ``int32[vocab]`` normalized UTF-8 bytes per id (the ends are its running sum).
+        ``token_nbytes``: ``int32[vocab]`` normalized UTF-8 bytes per id (the ends are its running sum);
+        ``None`` only for a buffer built with ``offsets=False``.
         Views returned by :meth:`ids` before the call keep their values (copy-on-write).
         """
         p, s = len(self._prefix), len(self._suffix)
@@ -120,22 +132,25 @@ class TokenBuffer:
         have = len(self._ids)
         # slots a live view may show: none when only the buffer (and this call) hold the array
         shown = self._shown if _refs(self) > _UNSHARED else 0
-        grow = need > have or have - need > 2 * headroom(need)  # grow, or give back a truncation's slack
-        if grow:
-            ends = np.empty(need + headroom(need), dtype=np.int32)
+        room = headroom(need, self._grow_max)
+        grow = need > have or have - need > 2 * room  # grow, or give back a truncation's slack
+        cap = need + room if grow else have
+        if grow and self._ends is not None:
+            ends = np.empty(cap, dtype=np.int32)
             ends[:keep] = self._ends[:keep]
             self._ends = ends
         if grow or (shown > start and self._changes_shown(start, new_ids, min(shown, need))):
-            ids = np.empty(len(self._ends), dtype=np.int32)
+            ids = np.empty(cap, dtype=np.int32)
             ids[:start] = self._ids[:start]
             self._ids = ids  # the old array stays with its views, unchanged
             shown = 0
         self._shown = shown
-        base = self._ends[keep - 1] if keep else np.int32(0)
         self._ids[start : start + len(new_ids)] = new_ids
-        ends = self._ends[keep : keep + len(new_ids)]
-        np.cumsum(token_nbytes[new_ids], out=ends)
-        ends += base
+        if self._ends is not None:
+            base = self._ends[keep - 1] if keep else np.int32(0)
+            ends = self._ends[keep : keep + len(new_ids)]
+            np.cumsum(token_nbytes[new_ids], out=ends)
+            ends += base
         self._n = keep + len(new_ids)
         if s:
             self._ids[p + self._n : p + self._n + s] = self._suffix

@@ -882,7 +882,7 @@ class ServingCore:
             self.metrics.observe_reply(origin, "chat", route, time.perf_counter() - t0, repair)
             self.metrics.observe_chat_render(origin, render.route)
         if self.verifier is not None and self.verifier.wants():
-            self.verifier.submit(render.text, out if reply == "full" else entry.session.ids,
+            self.verifier.submit(entry.session.text_blocks(), entry.session.ids, frozen=True,
                                  add_special_tokens=entry.add_special_tokens, route=route,
                                  cut=int(getattr(repair, "cut", 0) or 0), engine=str(getattr(repair, "engine", "")),
                                  tag=origin, chat=tpl.check(messages, options, render.route))
@@ -1022,7 +1022,9 @@ class ServingCore:
         if self.metrics is not None:
             self.metrics.observe_reply(origin, mode, route, time.perf_counter() - t0, repair)
         if self.verifier is not None and self.verifier.wants():
-            self.verifier.submit(entry.session.text, out if reply == "full" else entry.session.ids,
+            # by reference, no O(n) copy here: the text's blocks (joined on the verifier's thread) and the session's
+            # copy-on-write view of the ids, which no later call changes
+            self.verifier.submit(entry.session.text_blocks(), entry.session.ids, frozen=True,
                                  add_special_tokens=entry.add_special_tokens, route=route,
                                  cut=int(getattr(repair, "cut", 0) or 0), engine=str(getattr(repair, "engine", "")),
                                  tag=origin)

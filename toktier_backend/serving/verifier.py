@@ -20,8 +20,9 @@ On a mismatch it
    instance (each a process) and every restart sees it, until an operator clears it:
    ``toktier quarantine list`` / ``toktier quarantine clear [--route R]`` (see ``model_repository/README.md``).
 
-A sample holds references to the reply's text (no copy) and a copy of its ids; the queue is bounded in
-samples and in bytes.
+A sample holds references to the reply's text (no copy: a ``str``, or a session's text blocks, joined by the
+thread) and a copy of its ids, or the ids themselves when the caller vouches that they never change
+(``frozen``: a session's copy-on-write view); the queue is bounded in samples and in bytes.
 
 **Chat requests** (``ServingCore.chat``) carry a :class:`ChatCheck`: the thread first renders the request in
 full with the jinja2 reference (``ChatSession.full_render``) and compares the text char for char with the
@@ -168,8 +169,8 @@ class ChatCheck:
 
 @dataclass
 class Sample:
-    text: str
-    ids: np.ndarray  # int32[n], a copy of the reply's ids
+    text: str  # the reply's text (the submitted blocks, joined by the thread before the check)
+    ids: np.ndarray  # int32[n], a copy of the reply's ids, or the frozen ids themselves
     add_special_tokens: bool
     route: str  # the RepairInfo route, or "encode" for the stateless model
     cut: int
@@ -297,17 +298,22 @@ class Verifier:
         return self.rate > 0 and self._rng.random() < self.rate
 
     def submit(self, text: str, ids: np.ndarray, *, add_special_tokens: bool, route: str, cut: int = 0,
-               engine: str = "", tag: Any = None, chat: ChatCheck | None = None) -> bool:
-        """Queue one reply for checking (``ids`` is copied). Never blocks.
+               engine: str = "", tag: Any = None, frozen: bool = False, chat: ChatCheck | None = None) -> bool:
+        """Queue one reply for checking. Never blocks.
 
+        ``text``: a ``str``, or a tuple of blocks (``Session.text_blocks()``) that the thread joins: O(blocks)
+        here. ``ids`` is copied unless ``frozen``: the caller guarantees nothing ever changes it (a
+        ``Session.ids`` view: later calls never change the values it shows, ``pipeline/token_buffer.py``), and
+        it is held by reference: O(1) here. (Held, it makes the session's next splice check the slots it shows,
+        and copy the ids once if one changes: at most the copy this saves.)
         ``tag`` comes back as ``Sample.tag`` to ``on_result`` (the core passes the request's origin).
         ``chat``: the reply is a chat request's; its text is re-rendered by the reference first.
 
         Returns:
             False when the sample was dropped (queue full in samples or bytes, or closed).
         """
-        ids = np.array(ids, dtype=np.int32)
-        nbytes = sys.getsizeof(text) + ids.nbytes
+        ids = ids if frozen and ids.dtype == np.int32 else np.array(ids, dtype=np.int32)
+        nbytes = (sys.getsizeof(text) if isinstance(text, str) else sum(sys.getsizeof(b) for b in text)) + ids.nbytes
         sample = Sample(text, ids, bool(add_special_tokens), route, int(cut), engine, build_key(self.tokenizer), nbytes,
                         tag, chat)
         with self._lock:
@@ -426,6 +432,8 @@ class Verifier:
             with self._lock:
                 self._queued_bytes -= sample.nbytes
             try:
+                if not isinstance(sample.text, str):
+                    sample.text = "".join(sample.text)  # a session's text blocks: joined here, off the request path
                 self._check(sample)
             except Exception:  # the verifier must never take the server down
                 log.exception("shadow verifier failed on a sample (route %s)", sample.route)
