@@ -541,6 +541,9 @@ class ChatSession:
         self._snaps: list = []
         self._raw: list = []  # the caller's message objects of the last request (trust_identity)
         self._next_raw: list = []
+        self._last: list | None = None  # the caller's messages list of the last request (same_prefix)
+        self._tagged = -1  # position whose prepared message was altered (continue_final_message), or -1
+        self._body = None  # the IncrementalBody of render_body
         # every message value that is not a str: (positions, keys, signatures), sorted by position
         self._strict: tuple[list, list, list] = ([], [], [])
         self._next_strict = self._strict
@@ -565,20 +568,75 @@ class ChatSession:
         documents: list[Any] | None = None,
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
+        same_prefix: int = 0,
         **kwargs: Any,
     ) -> ChatRender:
         """Render ``messages`` (same arguments and text as :meth:`.template.ChatRenderer.render`).
+
+        Args:
+            same_prefix: the caller's promise that ``messages[:same_prefix]`` are the very objects at those
+                positions of the ``messages`` list of this session's previous request, unmutated since
+                (:class:`.wire.IncrementalBody` reports it as ``Body.same_prefix``); they are then not
+                compared. Checked at its last position (``messages[same_prefix - 1] is`` the previous
+                list's): a loader reuses an object only with the whole prefix before it, so one identity
+                stands for the prefix. A failed check compares as usual.
 
         Returns:
             :class:`ChatRender`; ``text`` equals ``full_render(...)`` char for char.
 
         Raises:
-            InvalidRequest: malformed messages, or the template refused them (the session keeps its
-            previous state).
+            InvalidRequest: malformed messages, or the template refused them (the session then forgets its
+            state: the next request renders whole).
         """
         _t.check_request(messages, add_generation_prompt, continue_final_message)
-        k, snaps, chat = self._diff(messages)
+        try:
+            return self._render(messages, tools, documents, add_generation_prompt, continue_final_message,
+                                same_prefix, kwargs)
+        except BaseException:
+            self.reset()  # _diff edits the kept lists in place: after a failure they are not the old state
+            raise
+
+    def render_body(self, raw: bytes, *, top: str = "object", **options: Any) -> tuple[ChatRender, Any]:
+        """Parse a JSON request body (:class:`.wire.IncrementalBody`: only the bytes from the first changed
+        message on) and render its messages.
+
+        Args:
+            raw: UTF-8 JSON bytes: ``{"messages": [...], ...}`` (``top="object"``) or ``[...]``
+                (``top="array"``); the same ``top`` for every call of a session.
+            options: as :meth:`render` (``tools``, ``add_generation_prompt``, template kwargs); taken from
+                the caller, not from the body.
+
+        Returns:
+            ``(render, body)``: ``body`` equals ``orjson.loads(raw)``; its message dicts are shared with
+            later calls and must not be mutated.
+
+        Raises:
+            InvalidRequest: not valid JSON, no list of messages, or as :meth:`render`.
+        """
+        from toktier_backend.chat.wire import IncrementalBody
+
+        if self._body is None or self._body.top != top:
+            self._body = IncrementalBody(top=top)
+        loader = self._body
+        try:
+            got = loader.load(raw)
+        except BaseException:
+            self.reset()
+            raise
+        if got.messages is None:
+            self.reset()
+            raise InvalidRequest(f"request body has no list of messages ({'a JSON array' if top == 'array' else 'a messages member'})")
+        try:
+            return self.render(got.messages, same_prefix=got.same_prefix, **options), got.value
+        except BaseException:
+            loader.reset()  # the session forgot its state: the next same_prefix must not refer to it
+            raise
+
+    def _render(self, messages, tools, documents, add_generation_prompt, continue_final_message, same_prefix,
+                kwargs) -> ChatRender:
+        k, snaps, chat = self._diff(messages, same_prefix)
         final = None
+        self._tagged = -1
         if continue_final_message:
             if not chat:
                 raise InvalidRequest("continue_final_message needs a last message with string content")
@@ -588,6 +646,7 @@ class ChatSession:
             snaps[-1] = _NEVER
             if self._next_raw:
                 self._next_raw[-1] = _NEVER  # the tagged copy must not be reused for the same object
+            self._tagged = len(chat) - 1  # nor trusted by same_prefix
             k = min(k, len(chat) - 1)
         options = dict(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, **kwargs)
@@ -621,17 +680,25 @@ class ChatSession:
 
     # ------------------------------------------------------------ messages
 
-    def _diff(self, messages):
+    def _diff(self, messages, same_prefix=0):
         """(k, snapshots, prepared messages): ``k`` is the first position whose message differs strictly from
         the previous request's. ``==`` on the lists (C, identity shortcut) finds value changes; it ignores
         int/float/bool and dict-order differences, so values that are not strings are also compared by
-        ``repr`` (exact for JSON types: distinct types and key orders give distinct reprs), and top-level
-        key order is compared where the template can observe it (``Plan.observes_message_order``)."""
+        ``marshal`` bytes (exact for JSON types: distinct types and key orders give distinct bytes), and
+        top-level key order is compared where the template can observe it (``Plan.observes_message_order``).
+        Positions below a checked ``same_prefix`` (:meth:`render`) are not compared.
+
+        The kept lists (snapshots, prepared messages, strict signatures) are cut and extended in place:
+        O(changed messages), not O(messages); :meth:`render` resets the session if the request fails."""
         old = self._snaps
         m = min(len(messages), len(old))
         k = m
         trusted = 0
-        if self.trust_identity and m:
+        last = self._last
+        if (0 < same_prefix <= m and last is not None and same_prefix <= len(last)
+                and messages[same_prefix - 1] is last[same_prefix - 1]):
+            trusted = same_prefix if self._tagged < 0 else min(same_prefix, self._tagged)
+        elif self.trust_identity and m:
             # opt-in: the caller does not mutate message dicts it passed, so the same object is the same
             # message; only positions from the first new object on are compared
             flags = list(map(operator.is_, messages[:m], self._raw[:m]))
@@ -647,11 +714,12 @@ class ChatSession:
             k = lo
         if k > trusted:
             k = self._strict_prefix(messages, k, trusted)
-        snaps = old[:k]
-        chat = self._chat[:k]
+        snaps = old
+        chat = self._chat
+        del snaps[k:], chat[k:]
         pos, keys, reprs = self._strict
         cut = bisect_left(pos, k)
-        pos, keys, reprs = pos[:cut], keys[:cut], reprs[:cut]
+        del pos[cut:], keys[cut:], reprs[cut:]
         for i in range(k, len(messages)):
             sn = _t.plain(messages[i])
             snaps.append(sn)
@@ -663,6 +731,7 @@ class ChatSession:
                     reprs.append(_signature(v))
         self._next_strict = (pos, keys, reprs)
         self._next_raw = list(messages) if self.trust_identity else []
+        self._last = messages
         return k, snaps, chat
 
     def _needs_strict(self, v, path: tuple) -> bool:
