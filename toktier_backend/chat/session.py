@@ -332,10 +332,17 @@ def _reader_ok(rec: _Rec, key, v) -> bool:
 
 
 class _Memo:
-    """What one loop segment kept from a render (records by message position, sorted position indexes)."""
+    """What one loop segment kept from a render (records by message position, sorted position indexes).
+
+    Lists are shared with the next render's memo when that one only appends records (:meth:`_Builder.finish`):
+    a memo's view is its first ``n`` records and the index entries below position ``n``; entries there are
+    never changed (shared lists are only extended, never cut), so a memo's text stays what it was. Only the
+    text methods (``text``, ``length``, ``_tail_text``, ``_stream``, ``has_output``) read a memo that is no
+    longer the session's latest; they bound their reads by ``n``.
+    """
 
     __slots__ = ("n", "form", "ns_names", "outer", "entry", "recs", "nsens", "la", "la_max", "readers",
-                 "writers", "cum", "nonempty", "keep")
+                 "writers", "cum", "nonempty", "keep", "shared")
 
     def __init__(self):
         self.recs: list = []
@@ -347,6 +354,7 @@ class _Memo:
         self.cum: list[int] = []  # forward loops: chars of outputs up to and including each position
         self.nonempty: list[int] = []  # positions whose output is not empty
         self.keep = 0  # records reused from the previous memo before the first rendered one (forward)
+        self.shared = None  # the previous memo whose lists this one extended (finish), else None
 
     def old_value(self, key, p):
         """The value ``key`` had when this memo's loop entered position ``p``."""
@@ -362,15 +370,25 @@ class _Memo:
                     return self.recs[w[i - 1]].writes[key]
         return self.entry.get(key, MISSING)
 
+    def _nonempty(self) -> list:
+        ne = self.nonempty
+        return ne if not ne or ne[-1] < self.n else ne[:bisect_left(ne, self.n)]
+
+    def has_output(self) -> bool:
+        ne = self.nonempty
+        return bool(ne) and ne[0] < self.n
+
     def text(self) -> str:
         recs = self.recs
-        order = reversed(self.nonempty) if self.form.reverse else self.nonempty
+        ne = self._nonempty()
+        order = reversed(ne) if self.form.reverse else ne
         return "".join([recs[p].out for p in order])
 
     def length(self) -> int:
         if self.form.reverse:
-            return sum(len(self.recs[p].out) for p in self.nonempty)
-        return self.cum[-1] if self.cum else 0
+            return sum(len(self.recs[p].out) for p in self._nonempty())
+        k = self.n - self.form.start
+        return self.cum[k - 1] if k > 0 else 0
 
 
 def _first(lst, p, lo, hi, reverse):
@@ -402,6 +420,8 @@ class _Builder:
     def finish(self, n: int, start: int):
         m = self.m
         chunks = self.chunks[::-1] if self.reverse else self.chunks
+        if self._extend(chunks, n, start):
+            return
         recs: list = [None] * start
         readers: dict = {}
         writers: dict = {}
@@ -444,6 +464,48 @@ class _Builder:
         m.nonempty = nonempty
         first = self.chunks[0] if self.chunks else None
         m.keep = first[3] - start if (not self.reverse and first and first[0] == "old" and first[2] == start) else 0
+        m.shared = None
+
+    def _extend(self, chunks, n: int, start: int) -> bool:
+        """The common turn: every old record is reused from the loop's start to the old end and the rest
+        is new. Then the old memo's lists are extended in place (O(new records)); the old memo keeps its
+        view (its ``n``). False (nothing done) otherwise, or when the old lists were extended already."""
+        if not chunks or chunks[0][0] != "old":
+            return False
+        _, old, lo, hi = chunks[0]
+        if lo != start or hi != old.n or len(old.recs) != old.n or any(c[0] != "new" for c in chunks[1:]):
+            return False
+        m = self.m
+        recs, nsens, nonempty, la = old.recs, old.nsens, old.nonempty, old.la
+        readers, writers = dict(old.readers), dict(old.writers)
+        la_max = old.la_max
+        for _, p, rec in chunks[1:]:
+            recs.append(rec)
+            if rec.nsens:
+                nsens.append(p)
+            if rec.out:
+                nonempty.append(p)
+            if rec.maxread > p:
+                la.append(p)
+                la_max = max(la_max, rec.maxread - p)
+            for key in rec.ns_reads.keys() | rec.cmps.keys():
+                lst = readers.get(key)
+                if lst is None:
+                    readers[key] = [p]
+                else:
+                    lst.append(p)
+            for key in rec.writes:
+                lst = writers.get(key)
+                if lst is None:
+                    writers[key] = [p]
+                else:
+                    lst.append(p)
+        assert len(recs) == n, (len(recs), n)
+        m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
+        m.nonempty = nonempty
+        m.keep = hi - start if not self.reverse else 0
+        m.shared = old
+        return True
 
 
 # ---------------------------------------------------------------- the result
@@ -538,6 +600,17 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the previous request (the next render reuses nothing)."""
+        self._forget_messages()
+        self._pieces: list = []
+        self._text: str | None = ""
+        self._length = 0
+
+    def _forget_messages(self) -> None:
+        """Drop what the next request would reuse (messages, records), keeping the previous text: the next
+        render is whole, its departure still measured against the last text served."""
+        if getattr(self, "_memos", None) is not None:  # the kept text is made of the memos: join it first
+            self._old_text()
+            self._pieces, self._length = [self._text], len(self._text)
         self._snaps: list = []
         self._raw: list = []  # the caller's message objects of the last request (trust_identity)
         self._next_raw: list = []
@@ -549,9 +622,6 @@ class ChatSession:
         self._next_strict = self._strict
         self._chat: list = []
         self._memos: list | None = None
-        self._pieces: list = []
-        self._text: str | None = ""
-        self._length = 0
 
     # ------------------------------------------------------------ public
 
@@ -585,15 +655,19 @@ class ChatSession:
             :class:`ChatRender`; ``text`` equals ``full_render(...)`` char for char.
 
         Raises:
-            InvalidRequest: malformed messages, or the template refused them (the session then forgets its
-            state: the next request renders whole).
+            InvalidRequest: malformed messages, or the template refused them (the session then forgets the
+            messages and records it kept, not the text: the next request renders whole, its departure is
+            measured against the last text served).
         """
-        _t.check_request(messages, add_generation_prompt, continue_final_message)
+        same_prefix = self._checked_prefix(messages, same_prefix)
+        # the trusted prefix passed this check in the previous request (same objects, unmutated)
+        _t.check_request(messages[same_prefix:] if same_prefix else messages, add_generation_prompt,
+                         continue_final_message)
         try:
             return self._render(messages, tools, documents, add_generation_prompt, continue_final_message,
                                 same_prefix, kwargs)
         except BaseException:
-            self.reset()  # _diff edits the kept lists in place: after a failure they are not the old state
+            self._forget_messages()  # _diff edits the kept lists in place: after a failure they are stale
             raise
 
     def render_body(self, raw: bytes, *, top: str = "object", **options: Any) -> tuple[ChatRender, Any]:
@@ -621,10 +695,10 @@ class ChatSession:
         try:
             got = loader.load(raw)
         except BaseException:
-            self.reset()
+            self._forget_messages()
             raise
         if got.messages is None:
-            self.reset()
+            self._forget_messages()
             raise InvalidRequest(f"request body has no list of messages ({'a JSON array' if top == 'array' else 'a messages member'})")
         try:
             return self.render(got.messages, same_prefix=got.same_prefix, **options), got.value
@@ -693,12 +767,8 @@ class ChatSession:
         old = self._snaps
         m = min(len(messages), len(old))
         k = m
-        trusted = 0
-        last = self._last
-        if (0 < same_prefix <= m and last is not None and same_prefix <= len(last)
-                and messages[same_prefix - 1] is last[same_prefix - 1]):
-            trusted = same_prefix if self._tagged < 0 else min(same_prefix, self._tagged)
-        elif self.trust_identity and m:
+        trusted = same_prefix  # checked by render (_checked_prefix)
+        if not trusted and self.trust_identity and m:
             # opt-in: the caller does not mutate message dicts it passed, so the same object is the same
             # message; only positions from the first new object on are compared
             flags = list(map(operator.is_, messages[:m], self._raw[:m]))
@@ -733,6 +803,16 @@ class ChatSession:
         self._next_raw = list(messages) if self.trust_identity else []
         self._last = messages
         return k, snaps, chat
+
+    def _checked_prefix(self, messages, same_prefix: int) -> int:
+        """``same_prefix`` if its last position holds the previous request's object there (see
+        :meth:`render`), capped below a message the previous request altered; else 0."""
+        last = self._last
+        if (type(same_prefix) is not int or same_prefix <= 0 or type(messages) is not list or last is None
+                or same_prefix > min(len(messages), len(last), len(self._snaps))
+                or messages[same_prefix - 1] is not last[same_prefix - 1]):
+            return 0
+        return same_prefix if self._tagged < 0 else min(same_prefix, self._tagged)
 
     def _needs_strict(self, v, path: tuple) -> bool:
         """Can a value equal to ``v`` by ``==`` render differently? Yes if it holds a number or bool
@@ -978,7 +1058,10 @@ class ChatSession:
     def _cum(memo: _Memo, old: _Memo | None, start: int):
         recs = memo.recs
         keep = memo.keep if old is not None else 0
-        cum = old.cum[:keep] if keep else []
+        if memo.shared is not None and memo.shared is old and len(old.cum) == old.n - start == keep:
+            cum = old.cum  # shared: extended in place (old keeps its view, old.n)
+        else:
+            cum = old.cum[:keep] if keep else []
         total = cum[-1] if cum else 0
         for r in recs[start + keep:]:
             total += len(r.out)
@@ -1004,7 +1087,7 @@ class ChatSession:
                         continue
                     break
                 if new.form.reverse or old.form != new.form:
-                    if not new.nonempty and not old.nonempty:
+                    if not new.has_output() and not old.has_output():
                         continue
                     break
                 j = new.keep
@@ -1044,7 +1127,7 @@ def _get_or_missing(message, key):
 def _tail_text(memo, j) -> str:
     """Outputs of a forward loop's records from index ``j`` (position ``start + j``) on."""
     ne, recs = memo.nonempty, memo.recs
-    return "".join([recs[q].out for q in ne[bisect_left(ne, memo.form.start + j):]])
+    return "".join([recs[q].out for q in ne[bisect_left(ne, memo.form.start + j):bisect_left(ne, memo.n)]])
 
 
 def _stream(pieces, i, j):
@@ -1058,12 +1141,12 @@ def _stream(pieces, i, j):
             continue
         recs = p.recs
         if p.form.reverse:
-            for q in reversed(p.nonempty):
+            for q in reversed(p._nonempty()):
                 yield recs[q].out
         else:
             first = p.form.start + (j if idx == i else 0)
             ne = p.nonempty
-            for q in ne[bisect_left(ne, first):]:
+            for q in ne[bisect_left(ne, first):bisect_left(ne, p.n)]:
                 yield recs[q].out
 
 
