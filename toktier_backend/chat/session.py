@@ -467,19 +467,49 @@ class _Builder:
         m.shared = None
 
     def _extend(self, chunks, n: int, start: int) -> bool:
-        """The common turn: every old record is reused from the loop's start to the old end and the rest
-        is new. Then the old memo's lists are extended in place (O(new records)); the old memo keeps its
-        view (its ``n``). False (nothing done) otherwise, or when the old lists were extended already."""
-        if not chunks or chunks[0][0] != "old":
+        """The common turn, in place: the old records are reused or re-rendered with the same output, and
+        the positions past the old end are new. Then the old memo's lists become the new memo's:
+        re-rendered records replace theirs (same output, so every older memo's text view is unchanged),
+        the position indexes that only the latest memo reads are fixed at those positions, new records are
+        appended: O(changed records), not O(messages). False (nothing done) for any other shape (a record
+        whose output changed, a shorter list, lists extended already)."""
+        old = next((c[1] for c in chunks if c[0] == "old"), None)
+        if old is None or n < old.n or len(old.recs) != old.n:
             return False
-        _, old, lo, hi = chunks[0]
-        if lo != start or hi != old.n or len(old.recs) != old.n or any(c[0] != "new" for c in chunks[1:]):
-            return False
+        replaced, added = [], []
+        first_new = n
+        for c in chunks:
+            if c[0] == "old":
+                if c[1] is not old:
+                    return False
+                continue
+            _, p, rec = c
+            if p < old.n:
+                if rec.out != old.recs[p].out:
+                    return False
+                replaced.append((p, rec))
+            else:
+                added.append((p, rec))
+            first_new = min(first_new, p)
         m = self.m
         recs, nsens, nonempty, la = old.recs, old.nsens, old.nonempty, old.la
         readers, writers = dict(old.readers), dict(old.writers)
         la_max = old.la_max
-        for _, p, rec in chunks[1:]:
+        for p, rec in replaced:
+            was = recs[p]
+            recs[p] = rec
+            _move(nsens, p, was.nsens, rec.nsens)
+            _move(la, p, was.maxread > p, rec.maxread > p)
+            for d, before, after in ((readers, was.ns_reads.keys() | was.cmps.keys(), rec.ns_reads.keys() | rec.cmps.keys()),
+                                     (writers, was.writes.keys(), rec.writes.keys())):
+                for key in before | after:
+                    lst = d.get(key)
+                    if lst is None:
+                        d[key] = lst = []
+                    _move(lst, p, key in before, key in after)
+            if rec.maxread > p:
+                la_max = max(la_max, rec.maxread - p)
+        for p, rec in added:
             recs.append(rec)
             if rec.nsens:
                 nsens.append(p)
@@ -503,9 +533,20 @@ class _Builder:
         assert len(recs) == n, (len(recs), n)
         m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
         m.nonempty = nonempty
-        m.keep = hi - start if not self.reverse else 0
+        m.keep = first_new - start if not self.reverse else 0
         m.shared = old
         return True
+
+
+def _move(lst: list, p: int, had: bool, has: bool) -> None:
+    """Make sorted ``lst`` hold ``p`` iff ``has`` (it holds it iff ``had``)."""
+    if had == has:
+        return
+    i = bisect_left(lst, p)
+    if has:
+        lst.insert(i, p)
+    else:
+        del lst[i]
 
 
 # ---------------------------------------------------------------- the result
@@ -612,10 +653,9 @@ class ChatSession:
             self._old_text()
             self._pieces, self._length = [self._text], len(self._text)
         self._snaps: list = []
-        self._raw: list = []  # the caller's message objects of the last request (trust_identity)
-        self._next_raw: list = []
-        self._last: list | None = None  # the caller's messages list of the last request (same_prefix)
-        self._tagged = -1  # position whose prepared message was altered (continue_final_message), or -1
+        # the caller's message object per position (same_prefix, trust_identity); invariant: the value of
+        # _raw[i] (unmutated) equals _snaps[i] strictly
+        self._raw: list = []
         self._body = None  # the IncrementalBody of render_body
         # every message value that is not a str: (positions, keys, signatures), sorted by position
         self._strict: tuple[list, list, list] = ([], [], [])
@@ -644,12 +684,11 @@ class ChatSession:
         """Render ``messages`` (same arguments and text as :meth:`.template.ChatRenderer.render`).
 
         Args:
-            same_prefix: the caller's promise that ``messages[:same_prefix]`` are the very objects at those
-                positions of the ``messages`` list of this session's previous request, unmutated since
-                (:class:`.wire.IncrementalBody` reports it as ``Body.same_prefix``); they are then not
-                compared. Checked at its last position (``messages[same_prefix - 1] is`` the previous
-                list's): a loader reuses an object only with the whole prefix before it, so one identity
-                stands for the prefix. A failed check compares as usual.
+            same_prefix: ``Body.same_prefix`` of the :class:`.wire.IncrementalBody` that gave ``messages``
+                (one loader per session): ``messages[:same_prefix]`` are objects it gave at those positions
+                before, unmutated; they are then neither compared nor checked again. Verified at its last
+                position against the object the session keeps there (:meth:`_checked_prefix`); a failed
+                check compares as usual.
 
         Returns:
             :class:`ChatRender`; ``text`` equals ``full_render(...)`` char for char.
@@ -710,7 +749,6 @@ class ChatSession:
                 kwargs) -> ChatRender:
         k, snaps, chat = self._diff(messages, same_prefix)
         final = None
-        self._tagged = -1
         if continue_final_message:
             if not chat:
                 raise InvalidRequest("continue_final_message needs a last message with string content")
@@ -718,9 +756,7 @@ class ChatSession:
             final, chat[-1] = _t.continue_message(chat[-1])
             snaps = list(snaps)
             snaps[-1] = _NEVER
-            if self._next_raw:
-                self._next_raw[-1] = _NEVER  # the tagged copy must not be reused for the same object
-            self._tagged = len(chat) - 1  # nor trusted by same_prefix
+            self._raw[-1] = _NEVER  # the tagged copy must not be reused, nor trusted, for the same object
             k = min(k, len(chat) - 1)
         options = dict(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, **kwargs)
@@ -770,7 +806,7 @@ class ChatSession:
         trusted = same_prefix  # checked by render (_checked_prefix)
         if not trusted and self.trust_identity and m:
             # opt-in: the caller does not mutate message dicts it passed, so the same object is the same
-            # message; only positions from the first new object on are compared
+            # message (invariant of _raw); only positions from the first new object on are compared
             flags = list(map(operator.is_, messages[:m], self._raw[:m]))
             trusted = flags.index(False) if False in flags else m
         if trusted < m and old[trusted:m] != messages[trusted:m]:
@@ -800,19 +836,25 @@ class ChatSession:
                     keys.append(key)
                     reprs.append(_signature(v))
         self._next_strict = (pos, keys, reprs)
-        self._next_raw = list(messages) if self.trust_identity else []
-        self._last = messages
+        raw = self._raw
+        del raw[k:]
+        raw.extend(messages[k:])
         return k, snaps, chat
 
     def _checked_prefix(self, messages, same_prefix: int) -> int:
-        """``same_prefix`` if its last position holds the previous request's object there (see
-        :meth:`render`), capped below a message the previous request altered; else 0."""
-        last = self._last
-        if (type(same_prefix) is not int or same_prefix <= 0 or type(messages) is not list or last is None
-                or same_prefix > min(len(messages), len(last), len(self._snaps))
-                or messages[same_prefix - 1] is not last[same_prefix - 1]):
+        """``same_prefix`` if its last position holds the object the session keeps there, else 0.
+
+        Sound for lists from one :class:`.wire.IncrementalBody`: the loader reuses an object at a position
+        only with every object before it, and the session keeps, per position, an object whose value equals
+        its snapshot there (``_raw``: set when the position was compared or rendered, kept while later
+        requests were equal there). So ``messages[same_prefix - 1] is _raw[same_prefix - 1]`` means every
+        message before it is an object the loader already gave at that position, equal to the snapshot."""
+        raw = self._raw
+        if (type(same_prefix) is not int or same_prefix <= 0 or type(messages) is not list
+                or same_prefix > min(len(messages), len(raw), len(self._snaps))
+                or messages[same_prefix - 1] is not raw[same_prefix - 1]):
             return 0
-        return same_prefix if self._tagged < 0 else min(same_prefix, self._tagged)
+        return same_prefix
 
     def _needs_strict(self, v, path: tuple) -> bool:
         """Can a value equal to ``v`` by ``==`` render differently? Yes if it holds a number or bool
@@ -867,7 +909,6 @@ class ChatSession:
 
     def _commit(self, snaps, chat, memos, pieces, text, length):
         self._strict = self._next_strict
-        self._raw = self._next_raw
         self._snaps, self._chat, self._memos, self._pieces, self._text, self._length = (
             snaps, chat, memos, pieces, text, length)
 
@@ -1058,8 +1099,11 @@ class ChatSession:
     def _cum(memo: _Memo, old: _Memo | None, start: int):
         recs = memo.recs
         keep = memo.keep if old is not None else 0
-        if memo.shared is not None and memo.shared is old and len(old.cum) == old.n - start == keep:
-            cum = old.cum  # shared: extended in place (old keeps its view, old.n)
+        if memo.shared is not None and memo.shared is old and len(old.cum) == old.n - start:
+            # shared (_Builder._extend): outputs below old.n are unchanged, extended in place; old keeps
+            # its view (old.n)
+            cum = old.cum
+            keep = old.n - start
         else:
             cum = old.cum[:keep] if keep else []
         total = cum[-1] if cum else 0

@@ -40,9 +40,11 @@ object or array, a ``messages`` value that is not an array of objects, a duplica
 a plain ``orjson.loads(raw)`` with ``same_prefix = 0``: still exact. Invalid JSON raises what
 :func:`toktier_backend.jsonio.loads` raises.
 
-Ownership: the returned message dicts (and, in object mode, the values of members before ``messages``) are
-shared with later results; callers must not mutate them (:class:`~.session.ChatSession` copies what it
-prepares). The returned top-level dict or list is new on every call.
+Ownership: the messages list is the loader's own and is cut and extended in place by the next call (copying
+it would touch every message object: O(messages) cache misses); the message dicts (and, in object mode, the
+values of members before ``messages``) are shared with later results. Callers must not mutate them, nor
+keep the list across calls (:class:`~.session.ChatSession` keeps its own copies). In object mode the
+top-level dict is new on every call.
 """
 
 from __future__ import annotations
@@ -71,9 +73,11 @@ class Body(NamedTuple):
     """One loaded body.
 
     Attributes:
-        value: equal to ``orjson.loads(raw)`` (a new dict or list each call).
-        messages: ``value["messages"]`` (object mode) or ``value`` (array mode); ``None`` when the body did
-            not have the expected shape (then ``same_prefix`` is 0).
+        value: equal to ``orjson.loads(raw)`` when returned (object mode: a new dict each call; array mode:
+            the messages list).
+        messages: ``value["messages"]`` (object mode) or ``value`` (array mode): the loader's list, changed in
+            place by its next call; ``None`` when the body did not have the expected shape (then
+            ``same_prefix`` is 0).
         same_prefix: the number of leading messages that are the previous call's objects (byte-identical,
             hence equal values, same key order and scalar types).
     """
@@ -184,12 +188,11 @@ class IncrementalBody:
         self._ends.extend(ends)
         self._raw = raw
         if self.top == "array":
-            return Body(list(msgs), list(msgs), j)
+            return Body(msgs, msgs, j)
         value = dict(self._before)
         value.update(frag)
-        out = list(msgs)
-        value[self.key] = out
-        return Body(value, out, j)
+        value[self.key] = msgs
+        return Body(value, msgs, j)
 
     # ------------------------------------------------------------ a whole parse
 
@@ -235,7 +238,7 @@ class IncrementalBody:
                 before.append((k, v))
             self._before = before
         self._raw = raw
-        self._msgs = list(msgs)
+        self._msgs = msgs  # the parsed list itself: owned from now on (module docstring)
         self._ends = scanned[0]
         return msgs
 
