@@ -818,6 +818,7 @@ class ChatSession:
                 else:
                     hi = mid
             k = lo
+        self.stats["messages_trusted"] += trusted
         if k > trusted:
             k = self._strict_prefix(messages, k, trusted)
         snaps = old
