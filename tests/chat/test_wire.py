@@ -338,3 +338,13 @@ def test_same_prefix_is_checked(folder):
     assert r.text == ref.full_render(other) and chat.stats["messages_trusted"] == 0
     r = chat.render(other, same_prefix=2)
     assert r.text == ref.full_render(other) and chat.stats["messages_trusted"] == 2
+
+
+def test_str_and_bytearray_bodies():
+    raw = '{"messages": [{"role": "user", "content": "caf\u00e9"}]}'
+    body = IncrementalBody()
+    assert body.load(raw).value == orjson.loads(raw)
+    got = body.load(bytearray(raw.encode()))
+    assert got.value == orjson.loads(raw) and got.same_prefix == 1
+    with pytest.raises(InvalidRequest):
+        body.load('{"messages": [{"role": "user", "content": "\ud800"}]}')

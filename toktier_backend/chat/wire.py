@@ -113,8 +113,8 @@ class IncrementalBody:
         self._ends: list[int] = []  # byte offset after each message's closing brace, in self._raw
         self._before: list = []  # object mode: (key, value) of the members before the messages member
 
-    def load(self, raw: bytes | bytearray | memoryview) -> Body:
-        """Parse ``raw`` (one UTF-8 JSON body).
+    def load(self, raw: bytes | bytearray | memoryview | str) -> Body:
+        """Parse ``raw`` (one UTF-8 JSON body; bytes-like objects other than ``bytes`` are copied once).
 
         Returns:
             :class:`Body`; ``value == orjson.loads(raw)``.
@@ -124,7 +124,8 @@ class IncrementalBody:
             forgets the previous body.
         """
         if type(raw) is not bytes:
-            raw = bytes(raw)
+            # a str is encoded as is (a lone surrogate stays invalid UTF-8: orjson rejects it)
+            raw = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
         j = self._reusable(raw)
         if j:
             got = self._tail(raw, j)
