@@ -12,7 +12,9 @@ and ``add_generation_prompt=True``, as an agent resends it. Each request is an O
   first changed message on), ``ChatSession.render(messages, same_prefix=..., tools=body["tools"])``
   (incremental), then our tokenizer session: ``append(delta)`` when the render extends the previous text,
   else ``splice(departure, delta)``. Before each sample the body is copied (untimed), as a socket read
-  leaves a just-received body in cache; the previous body is wherever the run left it. Also printed: the
+  leaves a just-received body in cache; the previous body is wherever the run left it. The reply's ids
+  are dropped after the exactness check, as a face drops its view once the response is written (a view
+  held across an edit makes the tokenizer copy the ids: ``pipeline/token_buffer.py``). Also printed: the
   p50 of each stage (parse, render, tokenize) and of one ``bytes.startswith`` of the body against the
   previous one (the memory-bandwidth floor of any exact byte comparison). ``--reuse-objects``: no
   bytes; the previous list plus the new dicts, as an in-process caller would pass them, with
@@ -223,6 +225,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
             exact["ours"] = False
         if i in (0, len(reqs) - 1) and ids.tolist() != hf.encode(texts[i], add_special_tokens=False).ids:
             exact["ours"] = False
+        del ids  # a face drops its view of the reply once the response is written (token_buffer.py)
     stats["ours_routes"] = {k: v for k, v in chat.stats.items()}
     stats["ours_append_share"] = extends / len(reqs)
     stats["ours_parse_reused_all_share"] = reused_all / len(reqs) if bodies is not None else None
