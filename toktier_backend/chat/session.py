@@ -334,11 +334,14 @@ def _reader_ok(rec: _Rec, key, v) -> bool:
 class _Memo:
     """What one loop segment kept from a render (records by message position, sorted position indexes).
 
-    Lists are shared with the next render's memo when that one only appends records (:meth:`_Builder.finish`):
-    a memo's view is its first ``n`` records and the index entries below position ``n``; entries there are
-    never changed (shared lists are only extended, never cut), so a memo's text stays what it was. Only the
-    text methods (``text``, ``length``, ``_tail_text``, ``_stream``, ``has_output``) read a memo that is no
-    longer the session's latest; they bound their reads by ``n``.
+    The lists pass to the next render's memo when that one keeps every position and changes no output
+    (:meth:`_Builder._extend`): records are appended, and a re-rendered record replaces its old one only if
+    its output is the same. So a memo's *text view* (the outputs of its first ``n`` records, ``nonempty``
+    entries below ``n``, ``cum[:n - start]``) never changes once built: ``ChatRender.text`` of an old render
+    stays exact. Only the text methods (``text``, ``length``, ``has_output``, ``_tail_text``, ``_stream``)
+    read a memo that is no longer the session's latest, and they bound their reads by ``n``; the other
+    indexes (``nsens``, ``la``, ``readers``, ``writers``) are read from the latest memo only and are fixed
+    in place.
     """
 
     __slots__ = ("n", "form", "ns_names", "outer", "entry", "recs", "nsens", "la", "la_max", "readers",
@@ -738,7 +741,8 @@ class ChatSession:
             raise
         if got.messages is None:
             self._forget_messages()
-            raise InvalidRequest(f"request body has no list of messages ({'a JSON array' if top == 'array' else 'a messages member'})")
+            want = "a JSON array of objects" if top == "array" else "a 'messages' member"
+            raise InvalidRequest(f"request body has no list of messages (expected {want})")
         try:
             return self.render(got.messages, same_prefix=got.same_prefix, **options), got.value
         except BaseException:
@@ -798,8 +802,8 @@ class ChatSession:
         top-level key order is compared where the template can observe it (``Plan.observes_message_order``).
         Positions below a checked ``same_prefix`` (:meth:`render`) are not compared.
 
-        The kept lists (snapshots, prepared messages, strict signatures) are cut and extended in place:
-        O(changed messages), not O(messages); :meth:`render` resets the session if the request fails."""
+        The kept lists (snapshots, prepared messages, strict signatures, caller objects) are cut and extended
+        in place: O(changed messages), not O(messages); :meth:`render` forgets them if the request fails."""
         old = self._snaps
         m = min(len(messages), len(old))
         k = m
