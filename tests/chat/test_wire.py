@@ -189,8 +189,9 @@ def test_random_edits_of_real_trajectories(top):
             elif op < 0.84:
                 style = rng.randrange(4)
             raw = _body(conv, model=model, style=style, top=top, tools=TOOLS if rng.random() < 0.5 else None)
-            if top == "object" and rng.random() < 0.05:
-                raw = raw.rstrip()[:-1] + b', "messages": []}'  # a second messages member replaces the array
+            if top == "object" and rng.random() < 0.08:  # a second messages member replaces the array
+                raw = raw.rstrip()[:-1] + rng.choice([b', "messages": []}', b', "m\\u0065ssages": [{"a": 1}]}',
+                                                      b', "x": {"messages": []}}', b', "x": ["messages"]}'])
             check.load(raw)
     assert check.reused > 300
 
@@ -348,3 +349,17 @@ def test_str_and_bytearray_bodies():
     assert got.value == orjson.loads(raw) and got.same_prefix == 1
     with pytest.raises(InvalidRequest):
         body.load('{"messages": [{"role": "user", "content": "\ud800"}]}')
+
+
+def test_messages_as_a_value_after_the_array_keeps_the_reuse():
+    """``"messages"`` as a string value or a nested key after the array is no second member: the old
+    messages are still reused; as a member (literal or escaped) it is, and the body is parsed whole."""
+    conv = [dict(m) for m in _conv()[:8]]
+    tail = {"tools": [{"description": 'the "messages" list', "enum": ["messages"], "messages": {"x": 1}}]}
+    check = Loader()
+    for end in range(2, 9):
+        got = check.load(orjson.dumps({"model": "m", "messages": conv[:end], **tail}))
+        assert got.same_prefix == (end - 1 if end > 2 else 0)
+    for extra in (b', "messages": 1}', b', "\\u006dessages": 1}'):
+        raw = orjson.dumps({"model": "m", "messages": conv, **tail})[:-1] + extra
+        assert check.load(raw).same_prefix == 0

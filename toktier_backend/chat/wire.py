@@ -104,6 +104,9 @@ class IncrementalBody:
         self.top = top
         self.key = key
         self._frag = b"[0" if top == "array" else b"{" + _orjson.dumps(key) + b":[0"
+        self._key_bytes = _orjson.dumps(key)
+        # the key can be written only literally or with \u escapes (no short escape applies to it)
+        self._plain_key = not any(c in key for c in '"\\/') and all(ord(c) >= 0x20 for c in key)
         self.reset()
 
     def reset(self) -> None:
@@ -180,7 +183,7 @@ class IncrementalBody:
         ends, close = scanned
         if len(ends) != len(new):
             return None
-        if self.top == "object" and _has_key(raw, close + 1, self.key):
+        if self.top == "object" and self._maybe_key(raw, close + 1) and _has_key(raw, close + 1, self.key):
             return None  # a second messages member would replace the array
         msgs = self._msgs
         del msgs[j:]
@@ -194,6 +197,14 @@ class IncrementalBody:
         value.update(frag)
         value[self.key] = msgs
         return Body(value, msgs, j)
+
+    def _maybe_key(self, raw: bytes, pos: int) -> bool:
+        """Could ``raw[pos:]`` hold a member named ``key``? A JSON string equal to it is written literally
+        or with a ``\\u`` escape, so when neither byte pattern occurs (two C scans) it cannot; else the
+        Python scan (:func:`_has_key`) decides."""
+        if not self._plain_key:
+            return True
+        return raw.find(self._key_bytes, pos) >= 0 or raw.find(b"\\u", pos) >= 0
 
     # ------------------------------------------------------------ a whole parse
 
@@ -222,7 +233,7 @@ class IncrementalBody:
         else:
             if type(value) is not dict or type(value.get(self.key)) is not list:
                 return None
-            start = _member_array(raw, self.key)
+            start = _member_array(raw, self.key, self._maybe_key)
             if start is None:
                 return None
             msgs = value[self.key]
@@ -278,10 +289,11 @@ def _member_keys(raw: bytes, pos: int, depth: int):
     (``depth``: nesting relative to the object scanned; it stops when that object closes)."""
     n = len(raw)
     skip = _TO_TOKEN.match
+    skip_nested = _TO_BRACKET.match  # inside a member's value only brackets matter: C speed
     string = _STRING.match
     pending = None
     while True:
-        pos = skip(raw, pos).end()
+        pos = (skip if depth == 0 else skip_nested)(raw, pos).end()
         if pos >= n:
             return
         c = raw[pos]
@@ -312,7 +324,7 @@ def _has_key(raw: bytes, pos: int, key: str) -> bool:
     return any(k == key for k, _ in _member_keys(raw, pos, 0))
 
 
-def _member_array(raw: bytes, key: str) -> int | None:
+def _member_array(raw: bytes, key: str, maybe_key) -> int | None:
     """Offset of the ``[`` of the top-level object's member ``key``, if it is its only such member and an
     array; else ``None``."""
     start = _first_bracket(raw, 0)
@@ -325,7 +337,7 @@ def _member_array(raw: bytes, key: str) -> int | None:
             if p is None or raw[p] != _LK or raw[after:p].strip():
                 return None
             scanned = _message_ends(raw, p + 1)  # skip the array at C speed per element
-            if scanned is None or _has_key(raw, scanned[1] + 1, key):
+            if scanned is None or (maybe_key(raw, scanned[1] + 1) and _has_key(raw, scanned[1] + 1, key)):
                 return None
             return p
     return None
