@@ -363,3 +363,26 @@ def test_messages_as_a_value_after_the_array_keeps_the_reuse():
     for extra in (b', "messages": 1}', b', "\\u006dessages": 1}'):
         raw = orjson.dumps({"model": "m", "messages": conv, **tail})[:-1] + extra
         assert check.load(raw).same_prefix == 0
+
+
+@pytest.mark.parametrize("top", ["object", "array"])
+@pytest.mark.parametrize("junk", [b".5", b"e5", b"E+1", b"0", b" 7", b"null", b"x", b"}", b",", b", ]"])
+def test_bytes_that_would_continue_the_sentinel_are_invalid(top, junk):
+    """Bytes right after a reused message's ``}`` that a number sentinel would absorb (``0.5``, ``0e5``)
+    or that are otherwise invalid there: the body is invalid JSON and raises as ``jsonio.loads`` does,
+    with the bytes after the array the old ones (the suffix-reuse path) or not."""
+    conv = [dict(m) for m in _conv()[:4]]
+    good = _body(conv, top=top)  # object mode: {"model", "messages", "stream"}: the last "]" is the array's
+    body = IncrementalBody(top=top)
+    body.load(_body(conv[:3], top=top))
+    body.load(good)
+    last_end = good.rindex(b"}", 0, good.rindex(b"]")) + 1  # the last message's closing brace
+    assert good[last_end:].lstrip().startswith(b"]") and body.load(good).same_prefix == 4
+    for bad in (good[:last_end] + junk + good[last_end:], good[:last_end] + junk + b"]}"):
+        with pytest.raises(InvalidRequest) as e:
+            body.load(bad)
+        with pytest.raises(InvalidRequest) as want:
+            jsonio.loads(bad)
+        assert str(e.value) == str(want.value)
+        body.load(good)
+        body.load(good)

@@ -23,12 +23,16 @@ Mechanism. The loader keeps the previous body ``old`` and the byte offset where 
    types), so the old objects may stand for the new ones. In ``top="object"`` mode the members before
    ``"messages"`` are reused the same way (they end before the array's ``[``, inside the prefix).
 3. The rest, ``raw[e:]``, is parsed by orjson behind a fragment prefix that puts the parser in the same
-   state as ``raw[:e]`` did: ``[0`` (array mode; inside the array, after a value) or ``{"messages":[0``
+   state as ``raw[:e]`` did: ``[null`` (array mode; inside the array, after a value) or ``{"messages":[null``
    (object mode; inside the top-level object, inside the messages array, after a value). ``raw`` is valid
    JSON iff the fragment is (same grammar state, same remaining bytes; ``raw[:e]`` is valid UTF-8 ending at
    a char boundary), and the fragment's values are those of the same bytes in ``raw``. Members after the
    array are merged as orjson merges duplicate keys (dict assignment in order: first position, last
-   value), so the result equals ``orjson.loads(raw)`` key for key and in order.
+   value), so the result equals ``orjson.loads(raw)`` key for key and in order. When the bytes from the
+   array's ``]`` to the end are the old body's (the common turn: ``tools`` and options unchanged), they are
+   met in the same parser state as in the old body (inside the same array of the same top-level object,
+   after a value), so they are valid and give the old members: only ``[null`` + the new messages' bytes
+   + ``]`` is parsed, and the old members after the array are reused.
 4. The new messages' ends are found by a compiled regex over ``raw[e:]`` only: it skips JSON strings
    (``"..."`` with escapes) and everything but brackets at C speed; the loop runs per bracket. In object
    mode the members after the array are scanned for a second ``"messages"`` key (it would replace the
@@ -42,7 +46,7 @@ a plain ``orjson.loads(raw)`` with ``same_prefix = 0``: still exact. Invalid JSO
 
 Ownership: the messages list is the loader's own and is cut and extended in place by the next call (copying
 it would touch every message object: O(messages) cache misses); the message dicts (and, in object mode, the
-values of members before ``messages``) are shared with later results. Callers must not mutate them, nor
+values of the other members) are shared with later results. Callers must not mutate them, nor
 keep the list across calls (:class:`~.session.ChatSession` keeps its own copies). In object mode the
 top-level dict is new on every call.
 """
@@ -103,7 +107,9 @@ class IncrementalBody:
             raise ValueError(f"top must be 'object' or 'array', not {top!r}")
         self.top = top
         self.key = key
-        self._frag = b"[0" if top == "array" else b"{" + _orjson.dumps(key) + b":[0"
+        # null, not a number, stands for the last reused message: after "0" the bytes ".5" or "e5" would
+        # continue a number, after "null" (as after a message's "}") only whitespace, "," or "]" may follow
+        self._frag = b"[null" if top == "array" else b"{" + _orjson.dumps(key) + b":[null"
         self._key_bytes = _orjson.dumps(key)
         # the key can be written only literally or with \u escapes (no short escape applies to it)
         self._plain_key = not any(c in key for c in '"\\/') and all(ord(c) >= 0x20 for c in key)
@@ -115,6 +121,9 @@ class IncrementalBody:
         self._msgs: list = []  # the previous call's message objects
         self._ends: list[int] = []  # byte offset after each message's closing brace, in self._raw
         self._before: list = []  # object mode: (key, value) of the members before the messages member
+        self._after: dict | None = None  # object mode: the members from the messages member on (its value
+        # None), as the last tail parse merged them; None: not known (after a whole parse)
+        self._close = 0  # offset of the messages array's ']' in self._raw
 
     def load(self, raw: bytes | bytearray | memoryview | str) -> Body:
         """Parse ``raw`` (one UTF-8 JSON body; bytes-like objects other than ``bytes`` are copied once).
@@ -159,44 +168,67 @@ class IncrementalBody:
 
     def _tail(self, raw: bytes, j: int) -> Body | None:
         e = self._ends[j - 1]
-        try:
-            frag = _orjson.loads(self._frag + raw[e:])
-        except _orjson.JSONDecodeError:
-            return None  # invalid JSON: the whole parse raises the body's own error
-        if self.top == "array":
-            if type(frag) is not list:
-                return None
-            new = frag[1:]
-        else:
-            if type(frag) is not dict:
-                return None
-            arr = frag.get(self.key)
-            if type(arr) is not list or not arr or arr[0] != 0:
-                return None
-            new = arr[1:]
-        for m in new:
-            if type(m) is not dict:
-                return None
+        # the new messages' spans and the array's end; trusted only once orjson accepted those bytes
         scanned = _message_ends(raw, e)
         if scanned is None:
             return None
         ends, close = scanned
+        after = None
+        if self.top == "object" and self._after is not None and self._same_suffix(raw, close):
+            # the bytes from the array's ']' on are the old body's, met in the same parser state (inside
+            # the same array of the same top-level object, after a value): they are valid and give the
+            # old members after the array. Only the new messages are parsed.
+            after = self._after
+            try:
+                frag = _orjson.loads(b"[null" + raw[e:close] + b"]")
+            except _orjson.JSONDecodeError:
+                return None  # invalid JSON: the whole parse raises the body's own error
+            if type(frag) is not list:
+                return None
+            new = frag[1:]
+        else:
+            try:
+                frag = _orjson.loads(self._frag + raw[e:])
+            except _orjson.JSONDecodeError:
+                return None
+            if self.top == "array":
+                if type(frag) is not list:
+                    return None
+                new = frag[1:]
+            else:
+                if type(frag) is not dict:
+                    return None
+                arr = frag.get(self.key)
+                if type(arr) is not list or not arr or arr[0] is not None:
+                    return None
+                new = arr[1:]
+                if self._maybe_key(raw, close + 1) and _has_key(raw, close + 1, self.key):
+                    return None  # a second messages member would replace the array
+                frag[self.key] = None  # keeps the member's place; the list is set below
+                after = frag
         if len(ends) != len(new):
             return None
-        if self.top == "object" and self._maybe_key(raw, close + 1) and _has_key(raw, close + 1, self.key):
-            return None  # a second messages member would replace the array
+        for m in new:
+            if type(m) is not dict:
+                return None
         msgs = self._msgs
         del msgs[j:]
         msgs.extend(new)
         del self._ends[j:]
         self._ends.extend(ends)
-        self._raw = raw
+        self._raw, self._close = raw, close
         if self.top == "array":
             return Body(msgs, msgs, j)
+        self._after = after
         value = dict(self._before)
-        value.update(frag)
+        value.update(after)
         value[self.key] = msgs
         return Body(value, msgs, j)
+
+    def _same_suffix(self, raw: bytes, close: int) -> bool:
+        """``raw[close:] == old[old_close:]`` (C compare)."""
+        old, old_close = self._raw, self._close
+        return len(raw) - close == len(old) - old_close and raw.endswith(memoryview(old)[old_close:])
 
     def _maybe_key(self, raw: bytes, pos: int) -> bool:
         """Could ``raw[pos:]`` hold a member named ``key``? A JSON string equal to it is written literally
@@ -251,7 +283,7 @@ class IncrementalBody:
             self._before = before
         self._raw = raw
         self._msgs = msgs  # the parsed list itself: owned from now on (module docstring)
-        self._ends = scanned[0]
+        self._ends, self._close = scanned
         return msgs
 
 
