@@ -386,3 +386,34 @@ def test_bytes_that_would_continue_the_sentinel_are_invalid(top, junk):
         assert str(e.value) == str(want.value)
         body.load(good)
         body.load(good)
+
+
+@pytest.mark.parametrize("top", ["object", "array"])
+@pytest.mark.parametrize("tail_changes", [False, True])
+def test_nesting_limit_as_orjson(top, tail_changes):
+    """A new message nested around orjson's depth limit: accepted or refused exactly as a whole parse
+    (the fragments keep the body's nesting depth)."""
+    two = b'{"role":"user","content":"a"},{"role":"user","content":"b"}'
+    wrap = (b'{"model":"m","messages":[', b'],"stream":false}') if top == "object" else (b"[", b"]")
+    base = wrap[0] + two + wrap[1]
+    outcomes = set()
+    for n in range(1015, 1030):
+        body = IncrementalBody(top=top)
+        body.load(base)
+        assert body.load(base).same_prefix == 2  # a tail parse: the members after the array are known
+        end = wrap[1] if not tail_changes else wrap[1].replace(b"false", b"true ")
+        raw = wrap[0] + two + b',{"role":"user","x":' + b"[" * n + b"]" * n + b"}" + end
+        try:
+            orjson.loads(raw)
+            want = "ok"
+        except orjson.JSONDecodeError:
+            want = "refused"
+        try:
+            got = body.load(raw)
+            assert got.same_prefix == 2 and len(got.messages) == 3
+            outcome = "ok"
+        except InvalidRequest:
+            outcome = "refused"
+        assert outcome == want, n
+        outcomes.add(want)
+    assert outcomes == {"ok", "refused"}

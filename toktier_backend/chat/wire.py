@@ -31,8 +31,8 @@ Mechanism. The loader keeps the previous body ``old`` and the byte offset where 
    value), so the result equals ``orjson.loads(raw)`` key for key and in order. When the bytes from the
    array's ``]`` to the end are the old body's (the common turn: ``tools`` and options unchanged), they are
    met in the same parser state as in the old body (inside the same array of the same top-level object,
-   after a value), so they are valid and give the old members: only ``[null`` + the new messages' bytes
-   + ``]`` is parsed, and the old members after the array are reused.
+   after a value), so they are valid and give the old members: only ``{"":[null`` + the new messages' bytes
+   + ``]}`` is parsed (the body's nesting depth: orjson limits it), and the old members after the array are reused.
 4. The new messages' ends are found by a compiled regex over ``raw[e:]`` only: it skips JSON strings
    (``"..."`` with escapes) and everything but brackets at C speed; the loop runs per bracket. In object
    mode the members after the array are scanned for a second ``"messages"`` key (it would replace the
@@ -179,8 +179,8 @@ class IncrementalBody:
             # the same array of the same top-level object, after a value): they are valid and give the
             # old members after the array. Only the new messages are parsed.
             after = self._after
-            try:
-                frag = _orjson.loads(b"[null" + raw[e:close] + b"]")
+            try:  # inside an object, as in the body: the same nesting depth (orjson limits it)
+                frag = _orjson.loads(b'{"":[null' + raw[e:close] + b"]}")[""]
             except _orjson.JSONDecodeError:
                 return None  # invalid JSON: the whole parse raises the body's own error
             if type(frag) is not list:
