@@ -113,23 +113,40 @@ def body(name: str, msgs: list[dict]) -> bytes:
     return orjson.dumps(value)
 
 
-def requests(name, conv, start, samples, reuse: bool):
-    """(decoded messages per request, body bytes per request or ``None`` with ``reuse``)."""
-    import orjson
+class Decoded:
+    """The requests' messages, decoded from their bodies one at a time when asked (untimed): holding 24
+    decoded copies of a 3M-char conversation (about 160K dicts) would put them in the process's heap
+    during our timed turns, which a server does not have."""
 
-    out, bodies = [], []
+    def __init__(self, bodies: list[bytes]):
+        self.bodies = bodies
+
+    def __len__(self) -> int:
+        return len(self.bodies)
+
+    def __getitem__(self, i: int) -> list[dict]:
+        import orjson
+
+        return orjson.loads(self.bodies[i])["messages"]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def requests(name, conv, start, samples, reuse: bool):
+    """(messages per request: a list, or :class:`Decoded` from the bodies; body bytes per request, or
+    ``None`` with ``reuse``)."""
+    if not reuse:
+        bodies = [body(name, conv[:start + 2 * (s + 1)]) for s in range(samples)]
+        return Decoded(bodies), bodies
+    out = []
     prev = None
     for s in range(samples):
         end = start + 2 * (s + 1)
-        if reuse:
-            msgs = (prev or conv[:end - 2]) + [dict(m) for m in conv[end - 2:end]]
-            prev = msgs
-        else:
-            raw = body(name, conv[:end])
-            bodies.append(raw)
-            msgs = orjson.loads(raw)["messages"]
+        msgs = (prev or conv[:end - 2]) + [dict(m) for m in conv[end - 2:end]]
+        prev = msgs
         out.append(msgs)
-    return out, (None if reuse else bodies)
+    return out, None
 
 
 def _options(options: dict, value: dict) -> dict:
@@ -189,8 +206,10 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     assert r.text == base
     tok.update(r.text)
     extends = reused_all = 0
+    n_messages = [len(m) for m in reqs]
     gc.collect()
-    for i, msgs in enumerate(reqs):
+    for i in range(len(reqs)):
+        msgs = reqs[i] if bodies is None else None
         if bodies is not None:
             raw = bytes(bytearray(bodies[i]))  # untimed: the body as a socket read leaves it
             old = memoryview(prev_raw)
@@ -220,7 +239,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
         stages["tokenize"].append((t3 - t2) / 1e6)
         if bodies is not None:
             prev_raw = raw
-            reused_all += got.same_prefix == len(got.messages) - 2
+            reused_all += got.same_prefix == n_messages[i] - 2
         if r.text != texts[i] or not np.array_equal(np.asarray(ids, dtype=np.int64), want_ids[i]):
             exact["ours"] = False
         if i in (0, len(reqs) - 1) and ids.tolist() != hf.encode(texts[i], add_special_tokens=False).ids:
@@ -253,13 +272,14 @@ def run(name: str, size: int, args, shared: Path) -> dict:
             if not link.exists():
                 link.symlink_to(Path(target).resolve())
         hft = AutoTokenizer.from_pretrained(str(folder))
-        for i, msgs in enumerate(reqs[: args.hf_samples]):
+        for i in range(min(args.hf_samples, len(reqs))):
+            msgs = reqs[i]
             t0 = time.perf_counter_ns()
             ids = hft.apply_chat_template(msgs, tokenize=True, return_dict=False, **options)
             times["transformers"].append((time.perf_counter_ns() - t0) / 1e6)
             if ids != want_ids[i].tolist():
                 exact["transformers"] = False
-    row = {"template": name, "size": size, "chars": len(texts[-1]), "messages": len(reqs[-1]),
+    row = {"template": name, "size": size, "chars": len(texts[-1]), "messages": n_messages[-1],
            "body_bytes": len(bodies[-1]) if bodies else 0,
            "minijinja_admitted": admitted, "exact": exact, **stats}
     for s in SYSTEMS:
