@@ -503,7 +503,9 @@ class _Builder:
             recs[p] = rec
             _move(nsens, p, was.nsens, rec.nsens)
             _move(la, p, was.maxread > p, rec.maxread > p)
-            for d, before, after in ((readers, was.ns_reads.keys() | was.cmps.keys(), rec.ns_reads.keys() | rec.cmps.keys()),
+            read_before = was.ns_reads.keys() | was.cmps.keys()
+            read_after = rec.ns_reads.keys() | rec.cmps.keys()
+            for d, before, after in ((readers, read_before, read_after),
                                      (writers, was.writes.keys(), rec.writes.keys())):
                 for key in before | after:
                     lst = d.get(key)

@@ -31,13 +31,15 @@ Mechanism. The loader keeps the previous body ``old`` and the byte offset where 
    value), so the result equals ``orjson.loads(raw)`` key for key and in order. When the bytes from the
    array's ``]`` to the end are the old body's (the common turn: ``tools`` and options unchanged), they are
    met in the same parser state as in the old body (inside the same array of the same top-level object,
-   after a value), so they are valid and give the old members: only ``{"":[null`` + the new messages' bytes
-   + ``]}`` is parsed (the body's nesting depth: orjson limits it), and the old members after the array are reused.
+   after a value), so they are valid and give the old members: only ``{"":[null`` + the new messages'
+   bytes + ``]}`` is parsed (at the body's nesting depth: orjson limits it), the old members are reused.
+   ``null`` stands for message ``j - 1``, not a number: after ``0`` the bytes ``.5`` or ``e5`` would
+   continue the number, after ``null`` (as after ``}``) only whitespace, ``,`` or ``]`` are valid.
 4. The new messages' ends are found by a compiled regex over ``raw[e:]`` only: it skips JSON strings
    (``"..."`` with escapes) and everything but brackets at C speed; the loop runs per bracket. In object
    mode the members after the array are scanned for a second ``"messages"`` key (it would replace the
-   array: then a full parse). The scan runs after orjson accepted the bytes, so brackets inside strings
-   are never miscounted.
+   array: then a full parse). The scan's result is used only once orjson accepted the bytes it covers
+   (over valid JSON the string skipping is exact, so no bracket inside a string is counted).
 
 Anything else (no message reusable, a changed byte before the array, a top level that is not the expected
 object or array, a ``messages`` value that is not an array of objects, a duplicate ``"messages"`` key) is
@@ -54,7 +56,6 @@ top-level dict is new on every call.
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
 from typing import Any, NamedTuple
 
 from toktier_backend import jsonio
@@ -290,7 +291,8 @@ class IncrementalBody:
 def _message_ends(raw: bytes, pos: int) -> tuple[list[int], int] | None:
     """Scan the elements of an array from ``pos`` (inside it, outside any element): (the offset after each
     element object's closing brace, the offset of the array's ``]``). ``None`` if the bytes end first.
-    ``raw`` must be valid JSON from the array's start (orjson checked it): brackets in strings are skipped."""
+    Exact when the bytes scanned are valid JSON (strings are skipped whole); on invalid bytes the result is
+    meaningless, so callers trust it only after orjson accepted those bytes."""
     ends: list[int] = []
     depth = 0
     skip = _TO_BRACKET.match
