@@ -417,3 +417,23 @@ def test_nesting_limit_as_orjson(top, tail_changes):
         assert outcome == want, n
         outcomes.add(want)
     assert outcomes == {"ok", "refused"}
+
+
+def test_callers_without_a_loader_are_not_held():
+    """``render(messages)`` keeps no reference to the caller's message objects (only its own copies);
+    ``same_prefix`` (an int) keeps them for the next request's check."""
+    import gc
+    import weakref
+
+    class Message(dict):
+        pass
+
+    src, cfg = template_source("llama3_1")
+    chat = ChatSession(src, special_tokens(cfg))
+    for same_prefix, held in ((None, False), (0, True)):
+        msgs = [Message(role="user", content="a"), Message(role="assistant", content="b")]
+        refs = [weakref.ref(m) for m in msgs]
+        chat.render(msgs, same_prefix=same_prefix)
+        del msgs
+        gc.collect()
+        assert all((r() is not None) == held for r in refs), same_prefix

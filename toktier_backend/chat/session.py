@@ -658,9 +658,9 @@ class ChatSession:
             self._old_text()
             self._pieces, self._length = [self._text], len(self._text)
         self._snaps: list = []
-        # the caller's message object per position (same_prefix, trust_identity); invariant: the value of
-        # _raw[i] (unmutated) equals _snaps[i] strictly
-        self._raw: list = []
+        # the caller's message object per position, kept for same_prefix and trust_identity only (None: not
+        # kept); invariant: aligned with _snaps, and the value of _raw[i] (unmutated) equals _snaps[i]
+        self._raw: list | None = None
         self._body = None  # the IncrementalBody of render_body
         # every message value that is not a str: (positions, keys, signatures), sorted by position
         self._strict: tuple[list, list, list] = ([], [], [])
@@ -683,7 +683,7 @@ class ChatSession:
         documents: list[Any] | None = None,
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
-        same_prefix: int = 0,
+        same_prefix: int | None = None,
         **kwargs: Any,
     ) -> ChatRender:
         """Render ``messages`` (same arguments and text as :meth:`.template.ChatRenderer.render`).
@@ -693,7 +693,8 @@ class ChatSession:
                 (one loader per session): ``messages[:same_prefix]`` are objects it gave at those positions
                 before, unmutated; they are then neither compared nor checked again. Verified at its last
                 position against the object the session keeps there (:meth:`_checked_prefix`); a failed
-                check compares as usual.
+                check compares as usual. ``None`` (callers without a loader): the session does not keep
+                the caller's objects (unless ``trust_identity``), so it holds no extra reference to them.
 
         Returns:
             :class:`ChatRender`; ``text`` equals ``full_render(...)`` char for char.
@@ -703,13 +704,14 @@ class ChatSession:
             messages and records it kept, not the text: the next request renders whole, its departure is
             measured against the last text served).
         """
+        keep = same_prefix is not None or self.trust_identity
         same_prefix = self._checked_prefix(messages, same_prefix)
         # the trusted prefix passed this check in the previous request (same objects, unmutated)
         _t.check_request(messages[same_prefix:] if same_prefix else messages, add_generation_prompt,
                          continue_final_message)
         try:
             return self._render(messages, tools, documents, add_generation_prompt, continue_final_message,
-                                same_prefix, kwargs)
+                                same_prefix, keep, kwargs)
         except BaseException:
             self._forget_messages()  # _diff edits the kept lists in place: after a failure they are stale
             raise
@@ -752,8 +754,8 @@ class ChatSession:
             raise
 
     def _render(self, messages, tools, documents, add_generation_prompt, continue_final_message, same_prefix,
-                kwargs) -> ChatRender:
-        k, snaps, chat = self._diff(messages, same_prefix)
+                keep, kwargs) -> ChatRender:
+        k, snaps, chat = self._diff(messages, same_prefix, keep)
         final = None
         if continue_final_message:
             if not chat:
@@ -762,7 +764,8 @@ class ChatSession:
             final, chat[-1] = _t.continue_message(chat[-1])
             snaps = list(snaps)
             snaps[-1] = _NEVER
-            self._raw[-1] = _NEVER  # the tagged copy must not be reused, nor trusted, for the same object
+            if self._raw is not None:
+                self._raw[-1] = _NEVER  # the tagged copy must not be reused, nor trusted, for the same object
             k = min(k, len(chat) - 1)
         options = dict(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, **kwargs)
@@ -796,7 +799,7 @@ class ChatSession:
 
     # ------------------------------------------------------------ messages
 
-    def _diff(self, messages, same_prefix=0):
+    def _diff(self, messages, same_prefix=0, keep=False):
         """(k, snapshots, prepared messages): ``k`` is the first position whose message differs strictly from
         the previous request's. ``==`` on the lists (C, identity shortcut) finds value changes; it ignores
         int/float/bool and dict-order differences, so values that are not strings are also compared by
@@ -804,13 +807,13 @@ class ChatSession:
         top-level key order is compared where the template can observe it (``Plan.observes_message_order``).
         Positions below a checked ``same_prefix`` (:meth:`render`) are not compared.
 
-        The kept lists (snapshots, prepared messages, strict signatures, caller objects) are cut and extended
-        in place: O(changed messages), not O(messages); :meth:`render` forgets them if the request fails."""
+        ``keep``: keep the caller's objects (``_raw``) for the next request's checks. The kept lists
+        (snapshots, prepared messages, strict signatures, caller objects) are cut and extended in place: O(changed messages), not O(messages); :meth:`render` forgets them if the request fails."""
         old = self._snaps
         m = min(len(messages), len(old))
         k = m
         trusted = same_prefix  # checked by render (_checked_prefix)
-        if not trusted and self.trust_identity and m:
+        if not trusted and self.trust_identity and m and self._raw is not None:
             # opt-in: the caller does not mutate message dicts it passed, so the same object is the same
             # message (invariant of _raw); only positions from the first new object on are compared
             flags = list(map(operator.is_, messages[:m], self._raw[:m]))
@@ -844,8 +847,13 @@ class ChatSession:
                     reprs.append(_signature(v))
         self._next_strict = (pos, keys, reprs)
         raw = self._raw
-        del raw[k:]
-        raw.extend(messages[k:])
+        if not keep:
+            self._raw = None
+        elif raw is None:
+            self._raw = list(messages)  # O(messages) once, when a caller starts passing same_prefix
+        else:
+            del raw[k:]
+            raw.extend(messages[k:])
         return k, snaps, chat
 
     def _checked_prefix(self, messages, same_prefix: int) -> int:
@@ -857,7 +865,7 @@ class ChatSession:
         requests were equal there). So ``messages[same_prefix - 1] is _raw[same_prefix - 1]`` means every
         message before it is an object the loader already gave at that position, equal to the snapshot."""
         raw = self._raw
-        if (type(same_prefix) is not int or same_prefix <= 0 or type(messages) is not list
+        if (raw is None or type(same_prefix) is not int or same_prefix <= 0 or type(messages) is not list
                 or same_prefix > min(len(messages), len(raw), len(self._snaps))
                 or messages[same_prefix - 1] is not raw[same_prefix - 1]):
             return 0
