@@ -5,16 +5,27 @@ function-calling trajectories with tool calls, tool results and reasoning for th
 results as user turns for the others; gemma3's roles merged to alternate), each message's content clipped
 to 1,200 chars, until the size is reached. Then ``--samples`` turns of 2 new messages (~1.5K chars: the
 assistant's reply and the next observation) are requested one after another, each with the whole history
-and ``add_generation_prompt=True``, as an agent resends it. Each request's ``messages`` is decoded from its
-JSON body (untimed; ``--reuse-objects``: the previous list plus the new dicts, as an in-process caller
-would pass them, with ``ChatSession(trust_identity=True)``). Systems, each on all samples in turn:
+and ``add_generation_prompt=True``, as an agent resends it. Each request is an OpenAI-style JSON body
+(``{"model", "messages", "tools"}``, bytes built untimed). Systems, each on all samples in turn:
 
-- ``ours``: ``ChatSession.render`` (incremental) then our tokenizer session: ``append(delta)`` when the
-  render extends the previous text, else ``update(text)``;
+- ``ours``: timed from the body's bytes: ``chat.wire.IncrementalBody.load`` (parses only the bytes from the
+  first changed message on), ``ChatSession.render(messages, same_prefix=..., tools=body["tools"])``
+  (incremental), then our tokenizer session: ``append(delta)`` when the render extends the previous text,
+  else ``splice(departure, delta)``. Before each sample the body is copied (untimed), as a socket read
+  leaves a just-received body in cache; the previous body is wherever the run left it. The reply's ids
+  are dropped after the exactness check, as a face drops its view once the response is written (a view
+  held across an edit makes the tokenizer copy the ids: ``pipeline/token_buffer.py``). Also printed: the
+  p50 of each stage (parse, render, tokenize) and of one ``bytes.startswith`` of the body against the
+  previous one (the memory-bandwidth floor of any exact byte comparison). ``--reuse-objects``: no
+  bytes; the previous list plus the new dicts, as an in-process caller would pass them, with
+  ``ChatSession(trust_identity=True)``;
 - ``transformers``: ``apply_chat_template(tokenize=True)`` (``--hf-samples`` samples: it encodes the whole
   text with HF);
 - ``jinja2+gigatoken``: full render by the transformers-compatible jinja2 renderer, gigatoken encode;
 - ``minijinja+gigatoken``: full render by minijinja, gigatoken encode.
+
+The anchors and transformers get the messages already decoded (``orjson.loads`` of the same body, untimed):
+their JSON parse is not counted, ours is (conservative for ours).
 
 Exactness first: every sample's text is compared with the jinja2 full render, every sample's ids with
 gigatoken's encode of that text, and the first and last samples' ids with HF ``tokenizers``
@@ -92,20 +103,57 @@ def conversation(name: str, size: int, samples: int) -> tuple[list[dict], int]:
     return conv, start
 
 
-def requests(conv, start, samples, reuse: bool):
+def body(name: str, msgs: list[dict]) -> bytes:
+    """The request body an OpenAI-style client sends."""
     import orjson
 
+    value = {"model": name, "messages": msgs}
+    if name in C.TOOL_TEMPLATES:
+        value["tools"] = TOOLS
+    return orjson.dumps(value)
+
+
+class Decoded:
+    """The requests' messages, decoded from their bodies one at a time when asked (untimed): holding 24
+    decoded copies of a 3M-char conversation (about 160K dicts) would put them in the process's heap
+    during our timed turns, which a server does not have."""
+
+    def __init__(self, bodies: list[bytes]):
+        self.bodies = bodies
+
+    def __len__(self) -> int:
+        return len(self.bodies)
+
+    def __getitem__(self, i: int) -> list[dict]:
+        import orjson
+
+        return orjson.loads(self.bodies[i])["messages"]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def requests(name, conv, start, samples, reuse: bool):
+    """(messages per request: a list, or :class:`Decoded` from the bodies; body bytes per request, or
+    ``None`` with ``reuse``)."""
+    if not reuse:
+        bodies = [body(name, conv[:start + 2 * (s + 1)]) for s in range(samples)]
+        return Decoded(bodies), bodies
     out = []
     prev = None
     for s in range(samples):
         end = start + 2 * (s + 1)
-        if reuse:
-            msgs = (prev or conv[:end - 2]) + [dict(m) for m in conv[end - 2:end]]
-            prev = msgs
-        else:
-            msgs = orjson.loads(orjson.dumps(conv[:end]))
+        msgs = (prev or conv[:end - 2]) + [dict(m) for m in conv[end - 2:end]]
+        prev = msgs
         out.append(msgs)
-    return out
+    return out, None
+
+
+def _options(options: dict, value: dict) -> dict:
+    """The render options a face takes from the body (``tools``) over the bench's defaults."""
+    if "tools" in value:
+        return {**options, "tools": value["tools"]}
+    return options
 
 
 def run(name: str, size: int, args, shared: Path) -> dict:
@@ -116,6 +164,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     from toktier_backend.chat.fast import MiniJinjaRenderer, admit
     from toktier_backend.chat.session import ChatSession
     from toktier_backend.chat.template import ChatRenderer, special_tokens
+    from toktier_backend.chat.wire import IncrementalBody
 
     src, cfg = C.template_source(name)
     tok_path = shared / "tokenizers" / name / "tokenizer.json"
@@ -124,7 +173,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     if name in C.TOOL_TEMPLATES:
         options["tools"] = TOOLS
     conv, start = conversation(name, size, args.samples)
-    reqs = requests(conv, start, args.samples, args.reuse_objects)
+    reqs, bodies = requests(name, conv, start, args.samples, args.reuse_objects)
     ref = ChatRenderer(src, specials)
     mini = MiniJinjaRenderer(src, specials)
     admitted = admit(src, specials).reason is None
@@ -139,32 +188,67 @@ def run(name: str, size: int, args, shared: Path) -> dict:
         if hf.encode(texts[i], add_special_tokens=False).ids != want_ids[i].tolist():
             exact["jinja2+gigatoken"] = exact["minijinja+gigatoken"] = False
     times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    stages: dict[str, list[float]] = {"parse": [], "render": [], "tokenize": [], "memcmp": []}
     stats = {}
 
-    # ours: a warm session (the base conversation rendered and tokenized, untimed)
+    # ours: a warm session (the base conversation loaded, rendered and tokenized, untimed)
     chat = ChatSession(src, specials, trust_identity=args.reuse_objects)
+    loader = IncrementalBody(top="object")
     tok = load_tokenizer(str(tok_path)).session(add_special_tokens=False)
-    base = ref.render(conv[:start - 2] if start > 2 else conv[:1], **options)
-    r = chat.render(conv[:start - 2] if start > 2 else conv[:1], **options)
+    first = conv[:start - 2] if start > 2 else conv[:1]
+    base = ref.render(first, **options)
+    if bodies is None:
+        r = chat.render(first, **options)
+    else:
+        prev_raw = body(name, first)
+        got = loader.load(prev_raw)
+        r = chat.render(got.messages, same_prefix=got.same_prefix, **_options(options, got.value))
     assert r.text == base
     tok.update(r.text)
-    extends = 0
+    extends = reused_all = 0
+    n_messages = [len(m) for m in reqs]
     gc.collect()
-    for i, msgs in enumerate(reqs):
+    for i in range(len(reqs)):
+        msgs = reqs[i] if bodies is None else None
+        if bodies is not None:
+            raw = bytes(bytearray(bodies[i]))  # untimed: the body as a socket read leaves it
         t0 = time.perf_counter_ns()
-        r = chat.render(msgs, **options)
+        if bodies is not None:
+            got = loader.load(raw)
+            t1 = time.perf_counter_ns()
+            r = chat.render(got.messages, same_prefix=got.same_prefix, **_options(options, got.value))
+        else:
+            t1 = time.perf_counter_ns()
+            r = chat.render(msgs, **options)
+        delta = r.delta
+        t2 = time.perf_counter_ns()
         if r.extends_previous:
-            ids = tok.append(r.delta)
+            ids = tok.append(delta)
             extends += 1
         else:
-            ids = tok.update(r.text)
-        times["ours"].append((time.perf_counter_ns() - t0) / 1e6)
+            ids = tok.splice(r.departure, delta)
+        t3 = time.perf_counter_ns()
+        times["ours"].append((t3 - t0) / 1e6)
+        stages["parse"].append((t1 - t0) / 1e6)
+        stages["render"].append((t2 - t1) / 1e6)
+        stages["tokenize"].append((t3 - t2) / 1e6)
+        if bodies is not None:  # after the sample, so that its reads do not evict the caches before it
+            old = memoryview(prev_raw)
+            t4 = time.perf_counter_ns()
+            raw.startswith(old[: min(len(old), len(raw)) - 1])
+            stages["memcmp"].append((time.perf_counter_ns() - t4) / 1e6)
+            del old
+            prev_raw = raw
+            reused_all += got.same_prefix == n_messages[i] - 2
         if r.text != texts[i] or not np.array_equal(np.asarray(ids, dtype=np.int64), want_ids[i]):
             exact["ours"] = False
         if i in (0, len(reqs) - 1) and ids.tolist() != hf.encode(texts[i], add_special_tokens=False).ids:
             exact["ours"] = False
+        del ids  # a face drops its view of the reply once the response is written (token_buffer.py)
     stats["ours_routes"] = {k: v for k, v in chat.stats.items()}
     stats["ours_append_share"] = extends / len(reqs)
+    stats["ours_parse_reused_all_share"] = reused_all / len(reqs) if bodies is not None else None
+    stats["ours_stages_p50"] = {k: A.percentile(v, 50) for k, v in stages.items() if v}
 
     for i, msgs in enumerate(reqs):
         t0 = time.perf_counter_ns()
@@ -188,13 +272,15 @@ def run(name: str, size: int, args, shared: Path) -> dict:
             if not link.exists():
                 link.symlink_to(Path(target).resolve())
         hft = AutoTokenizer.from_pretrained(str(folder))
-        for i, msgs in enumerate(reqs[: args.hf_samples]):
+        for i in range(min(args.hf_samples, len(reqs))):
+            msgs = reqs[i]
             t0 = time.perf_counter_ns()
             ids = hft.apply_chat_template(msgs, tokenize=True, return_dict=False, **options)
             times["transformers"].append((time.perf_counter_ns() - t0) / 1e6)
             if ids != want_ids[i].tolist():
                 exact["transformers"] = False
-    row = {"template": name, "size": size, "chars": len(texts[-1]), "messages": len(reqs[-1]),
+    row = {"template": name, "size": size, "chars": len(texts[-1]), "messages": n_messages[-1],
+           "body_bytes": len(bodies[-1]) if bodies else 0,
            "minijinja_admitted": admitted, "exact": exact, **stats}
     for s in SYSTEMS:
         row[s] = {"n": len(times[s]), "p50": A.percentile(times[s], 50), "p90": A.percentile(times[s], 90)}
@@ -263,6 +349,15 @@ def main(argv=None) -> int:
     print(f"# chat turns, ms p50/p90; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{platform.python_version()}, {'reused objects' if args.reuse_objects else 'messages from JSON'}")
     print(table(rows))
+    if args.reuse_objects:
+        print("ours = render + tokenize from the caller's objects (trust_identity); no bytes. Stage p50 (ms):")
+    else:
+        print("ours = parse (wire, from bytes) + render + tokenize; anchors from decoded messages (parse not "
+              "counted). Stage p50 (ms); memcmp = one bytes.startswith of the body vs the previous one:")
+    for r in rows:
+        st = r["ours_stages_p50"]
+        print(f"  {r['template']:12} {r['size']:>8}: " + "  ".join(f"{k} {v:.3f}" for k, v in st.items())
+              + f"  append share {r['ours_append_share']:.2f}  body KB {r.get('body_bytes', 0) // 1000}")
     Path(args.out, "chat.json").write_text(json.dumps({"rows": rows, "revision": A.core_revision(),
                                                        "reuse_objects": args.reuse_objects}, indent=1))
     plot(rows, Path(args.out, "chat.png"))

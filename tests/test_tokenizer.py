@@ -196,3 +196,78 @@ def test_import_does_not_pull_serving_or_gpu_packages():
     assert out.strip() == "[]"
 
 
+
+
+# ---------------------------------------------------------------- Session.splice(departure, delta)
+
+_SPLICE_BASE = ("def pipeline(x):\n    return 12345 + x  # <|im_end|> inline\n"
+                "<|im_start|>user\ncafé e\u0301 naïve 日本語 😀\n<|im_end|>\n<|im_start|>assistant\n"
+                "<think>\nplan</think>\n\nanswer   with   spaces\n\n") * 40
+
+
+def _splice_cases(base: str) -> list[tuple[int, str]]:
+    """(departure, delta) at awkward places: inside a pre-token ("pipe|line", "123|45"), inside and right
+    before an added token, before a combining mark (NFC composes "e" + U+0301), inside a whitespace run,
+    inside the generation prompt, at 0 and at the end (append, truncation)."""
+    last = len(base) - len(_SPLICE_BASE) // 40  # the start of the last repeat: far from the beginning
+    piece = base[last:]
+    cases = []
+    for needle, off, delta in [("pipeline", 4, "line(y):\n"), ("12345", 3, "45 + 6"), ("<|im_end|>", 5, "x"),
+                               ("<|im_end|>", 0, "<|im_end|>\u0301 more"), ("e\u0301", 1, "\u0301\u0301 end"),
+                               ("café", 3, "e\u0301"), ("   spaces", 2, " \n\n  x"),
+                               ("<|im_start|>assistant", 12, "assist"), ("<think>", 7, "")]:
+        cases.append((last + piece.index(needle) + off, delta))
+    cases += [(0, "fresh start"), (len(base), " appended words"), (len(base) - 7, ""), (len(base) // 2, "mid")]
+    return cases
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1", "gpt2", "gemma3"])
+def test_splice_equals_reference(name):
+    """``splice(d, delta)`` gives HF ``encode(text[:d] + delta).ids`` (computed here), one session walked
+    through every case in turn, and repairs from a cut (not a full encode) when ``d`` is far from 0."""
+    tok, ref = load(name), reference(name)
+    for flag in (False, True):
+        s = tok.session(add_special_tokens=flag)
+        text = _SPLICE_BASE
+        s.update(text)
+        repaired = 0
+        for d, delta in _splice_cases(_SPLICE_BASE):
+            d = min(d, len(text))
+            want = text[:d] + delta
+            got = s.splice(d, delta)
+            assert got.tolist() == ref.encode(want, add_special_tokens=flag).ids, (name, flag, d, delta)
+            assert s.text == want and len(s) == len(want)
+            if s.last_repair.route in ("edit", "append"):
+                repaired += 1
+                assert s.last_repair.cut <= d
+            s.update(_SPLICE_BASE)  # back to the base for the next case
+            text = _SPLICE_BASE
+        assert repaired >= 8, (name, flag, repaired)
+
+
+def test_splice_then_append_and_update_stay_exact():
+    tok, ref = load("qwen3"), reference("qwen3")
+    s = tok.session(add_special_tokens=False)
+    text = _SPLICE_BASE
+    s.update(text)
+    rng = np.random.default_rng(17)
+    for _ in range(30):
+        d = int(rng.integers(0, len(text) + 1))
+        delta = "".join(rng.choice(list("ab e\u0301<|im_end|>\n 12"), size=int(rng.integers(0, 12))))
+        text = text[:d] + delta
+        assert s.splice(d, delta).tolist() == ref.encode(text, add_special_tokens=False).ids
+        text += " tail 99"
+        assert s.append(" tail 99").tolist() == ref.encode(text, add_special_tokens=False).ids
+    assert s.update(text).tolist() == ref.encode(text, add_special_tokens=False).ids
+    assert s.last_repair.route == "noop"
+
+
+def test_splice_bad_input_leaves_the_session_unchanged():
+    s = load("gpt2").session()
+    s.update("kept text")
+    before = s.ids.tolist()
+    for d, delta in [(-1, "x"), (10, "x"), (3.0, "x"), (2, "bad \ud800")]:
+        with pytest.raises(tt.InvalidRequest):
+            s.splice(d, delta)
+    assert s.text == "kept text" and s.ids.tolist() == before == reference("gpt2").encode("kept text").ids
+    assert s.splice(9, "").tolist() == before and s.last_repair.route == "noop"

@@ -442,17 +442,40 @@ class Session:
             raise InvalidRequest(f"session text would reach {old_len + len(delta)} chars, over the limit of {tok.max_chars}")
         return self._serve(delta, whole=False)
 
+    def splice(self, departure: int, delta: str) -> np.ndarray:
+        """Splice mode: the new text is ``self.text[:departure] + delta`` (an edit or truncation whose
+        departure the caller knows, such as :class:`toktier_backend.chat.session.ChatRender`'s). Neither the
+        old text before ``departure`` nor the new text is joined or compared: the repair starts from
+        ``departure`` (a lower bound of the true departure point is enough: the text before it is kept).
+
+        Args:
+            departure: chars of the stored text kept, ``0 <= departure <= len(self)``.
+            delta: the new text after them.
+
+        Returns / Raises: as :meth:`update`; also ``InvalidRequest`` when ``departure`` is out of range.
+        """
+        tok = self.tokenizer
+        old_len = len(self._store)
+        if type(departure) is not int or not 0 <= departure <= old_len:
+            raise InvalidRequest(f"splice departure {departure!r} is outside the session text (0..{old_len} chars)")
+        _validate(delta, tok.max_chars, "delta")
+        if departure + len(delta) > tok.max_chars:
+            raise InvalidRequest(
+                f"session text would reach {departure + len(delta)} chars, over the limit of {tok.max_chars}")
+        return self._serve(delta, whole=False, at=departure)
+
     # ------------------------------------------------------------------ the repair
     @property
     def _stale(self) -> bool:
         """A route was quarantined since these ids were built: they may hold its wrong output."""
         return self._ref_ids is None and self._epoch != self.tokenizer.quarantine_epoch
 
-    def _serve(self, new: str, *, whole: bool) -> np.ndarray:
-        """``new``: the whole new text (``whole``) or a delta. Departure point, then the repair."""
+    def _serve(self, new: str, *, whole: bool, at: int | None = None) -> np.ndarray:
+        """``new``: the whole new text (``whole``), or a delta put after the stored text's first ``at``
+        chars (``None``: all of them). Departure point, then the repair."""
         tok = self.tokenizer
         store = self._store
-        d = departure(store, new, whole=whole)
+        d = departure(store, new, whole=whole) if at is None else at
         first = self.requests == 0
         unchanged = d == len(store) == (len(new) if whole else d + len(new))
         self.requests += 1
@@ -461,7 +484,7 @@ class Session:
             self.last_repair = RepairInfo(route="noop", departure=d, cut=d, reused=len(ids), engine="none")
             return ids
         if self._ref_ids is not None:  # reference-only session: whole text through HF, every time
-            text = new if whole else store.text + new
+            text = new if whole else (store.text if at is None else store.text[:at]) + new
             ids = tok.reference.encode(text, add_special_tokens=self.add_special_tokens).ids
             ids = _read_only(np.asarray(ids, dtype=np.int32))
             reused = _common_prefix_len(self._ref_ids, ids)
@@ -470,7 +493,7 @@ class Session:
             self.last_repair = RepairInfo(route="reference", departure=d, reused=reused, reencoded=len(ids))
             return ids
         info = repair(self._enc, store, self._buf, new, whole=whole, d=d, force_reference=self._stale,
-                      quarantined=tok.quarantined, first=first)
+                      quarantined=tok.quarantined, first=first, splice=at is not None)
         if info.route == "full":  # whole text re-encoded under the current quarantine state
             self._epoch = tok.quarantine_epoch
         self.last_repair = info

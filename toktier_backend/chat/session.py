@@ -332,10 +332,20 @@ def _reader_ok(rec: _Rec, key, v) -> bool:
 
 
 class _Memo:
-    """What one loop segment kept from a render (records by message position, sorted position indexes)."""
+    """What one loop segment kept from a render (records by message position, sorted position indexes).
+
+    The lists pass to the next render's memo when that one keeps every position and changes no output
+    (:meth:`_Builder._extend`): records are appended, and a re-rendered record replaces its old one only if
+    its output is the same. So a memo's *text view* (the outputs of its first ``n`` records, ``nonempty``
+    entries below ``n``, ``cum[:n - start]``) never changes once built: ``ChatRender.text`` of an old render
+    stays exact. Only the text methods (``text``, ``length``, ``has_output``, ``_tail_text``, ``_stream``)
+    read a memo that is no longer the session's latest, and they bound their reads by ``n``; the other
+    indexes (``nsens``, ``la``, ``readers``, ``writers``) are read from the latest memo only and are fixed
+    in place.
+    """
 
     __slots__ = ("n", "form", "ns_names", "outer", "entry", "recs", "nsens", "la", "la_max", "readers",
-                 "writers", "cum", "nonempty", "keep")
+                 "writers", "cum", "nonempty", "keep", "shared")
 
     def __init__(self):
         self.recs: list = []
@@ -347,6 +357,7 @@ class _Memo:
         self.cum: list[int] = []  # forward loops: chars of outputs up to and including each position
         self.nonempty: list[int] = []  # positions whose output is not empty
         self.keep = 0  # records reused from the previous memo before the first rendered one (forward)
+        self.shared = None  # the previous memo whose lists this one extended (finish), else None
 
     def old_value(self, key, p):
         """The value ``key`` had when this memo's loop entered position ``p``."""
@@ -362,15 +373,25 @@ class _Memo:
                     return self.recs[w[i - 1]].writes[key]
         return self.entry.get(key, MISSING)
 
+    def _nonempty(self) -> list:
+        ne = self.nonempty
+        return ne if not ne or ne[-1] < self.n else ne[:bisect_left(ne, self.n)]
+
+    def has_output(self) -> bool:
+        ne = self.nonempty
+        return bool(ne) and ne[0] < self.n
+
     def text(self) -> str:
         recs = self.recs
-        order = reversed(self.nonempty) if self.form.reverse else self.nonempty
+        ne = self._nonempty()
+        order = reversed(ne) if self.form.reverse else ne
         return "".join([recs[p].out for p in order])
 
     def length(self) -> int:
         if self.form.reverse:
-            return sum(len(self.recs[p].out) for p in self.nonempty)
-        return self.cum[-1] if self.cum else 0
+            return sum(len(self.recs[p].out) for p in self._nonempty())
+        k = self.n - self.form.start
+        return self.cum[k - 1] if k > 0 else 0
 
 
 def _first(lst, p, lo, hi, reverse):
@@ -402,6 +423,8 @@ class _Builder:
     def finish(self, n: int, start: int):
         m = self.m
         chunks = self.chunks[::-1] if self.reverse else self.chunks
+        if self._extend(chunks, n, start):
+            return
         recs: list = [None] * start
         readers: dict = {}
         writers: dict = {}
@@ -444,6 +467,91 @@ class _Builder:
         m.nonempty = nonempty
         first = self.chunks[0] if self.chunks else None
         m.keep = first[3] - start if (not self.reverse and first and first[0] == "old" and first[2] == start) else 0
+        m.shared = None
+
+    def _extend(self, chunks, n: int, start: int) -> bool:
+        """The common turn, in place: the old records are reused or re-rendered with the same output, and
+        the positions past the old end are new. Then the old memo's lists become the new memo's:
+        re-rendered records replace theirs (same output, so every older memo's text view is unchanged),
+        the position indexes that only the latest memo reads are fixed at those positions, new records are
+        appended: O(changed records), not O(messages). False (nothing done) for any other shape (a record
+        whose output changed, a shorter list, lists extended already)."""
+        old = next((c[1] for c in chunks if c[0] == "old"), None)
+        if old is None or n < old.n or len(old.recs) != old.n:
+            return False
+        replaced, added = [], []
+        first_new = n
+        for c in chunks:
+            if c[0] == "old":
+                if c[1] is not old:
+                    return False
+                continue
+            _, p, rec = c
+            if p < old.n:
+                if rec.out != old.recs[p].out:
+                    return False
+                replaced.append((p, rec))
+            else:
+                added.append((p, rec))
+            first_new = min(first_new, p)
+        m = self.m
+        recs, nsens, nonempty, la = old.recs, old.nsens, old.nonempty, old.la
+        readers, writers = dict(old.readers), dict(old.writers)
+        la_max = old.la_max
+        for p, rec in replaced:
+            was = recs[p]
+            recs[p] = rec
+            _move(nsens, p, was.nsens, rec.nsens)
+            _move(la, p, was.maxread > p, rec.maxread > p)
+            read_before = was.ns_reads.keys() | was.cmps.keys()
+            read_after = rec.ns_reads.keys() | rec.cmps.keys()
+            for d, before, after in ((readers, read_before, read_after),
+                                     (writers, was.writes.keys(), rec.writes.keys())):
+                for key in before | after:
+                    lst = d.get(key)
+                    if lst is None:
+                        d[key] = lst = []
+                    _move(lst, p, key in before, key in after)
+            if rec.maxread > p:
+                la_max = max(la_max, rec.maxread - p)
+        for p, rec in added:
+            recs.append(rec)
+            if rec.nsens:
+                nsens.append(p)
+            if rec.out:
+                nonempty.append(p)
+            if rec.maxread > p:
+                la.append(p)
+                la_max = max(la_max, rec.maxread - p)
+            for key in rec.ns_reads.keys() | rec.cmps.keys():
+                lst = readers.get(key)
+                if lst is None:
+                    readers[key] = [p]
+                else:
+                    lst.append(p)
+            for key in rec.writes:
+                lst = writers.get(key)
+                if lst is None:
+                    writers[key] = [p]
+                else:
+                    lst.append(p)
+        assert len(recs) == n, (len(recs), n)
+        m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
+        m.nonempty = nonempty
+        m.keep = first_new - start if not self.reverse else 0
+        m.shared = old
+        return True
+
+
+def _move(lst: list, p: int, had: bool, has: bool) -> None:
+    """Make sorted ``lst`` hold ``p`` iff ``has`` (it holds it iff ``had``)."""
+    if had == has:
+        return
+    i = bisect_left(lst, p)
+    if has:
+        lst.insert(i, p)
+    else:
+        del lst[i]
 
 
 # ---------------------------------------------------------------- the result
@@ -538,17 +646,27 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the previous request (the next render reuses nothing)."""
+        self._forget_messages()
+        self._pieces: list = []
+        self._text: str | None = ""
+        self._length = 0
+
+    def _forget_messages(self) -> None:
+        """Drop what the next request would reuse (messages, records), keeping the previous text: the next
+        render is whole, its departure still measured against the last text served."""
+        if getattr(self, "_memos", None) is not None:  # the kept text is made of the memos: join it first
+            self._old_text()
+            self._pieces, self._length = [self._text], len(self._text)
         self._snaps: list = []
-        self._raw: list = []  # the caller's message objects of the last request (trust_identity)
-        self._next_raw: list = []
+        # the caller's message object per position, kept for same_prefix and trust_identity only (None: not
+        # kept); invariant: aligned with _snaps, and the value of _raw[i] (unmutated) equals _snaps[i]
+        self._raw: list | None = None
+        self._body = None  # the IncrementalBody of render_body
         # every message value that is not a str: (positions, keys, signatures), sorted by position
         self._strict: tuple[list, list, list] = ([], [], [])
         self._next_strict = self._strict
         self._chat: list = []
         self._memos: list | None = None
-        self._pieces: list = []
-        self._text: str | None = ""
-        self._length = 0
 
     # ------------------------------------------------------------ public
 
@@ -565,19 +683,79 @@ class ChatSession:
         documents: list[Any] | None = None,
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
+        same_prefix: int | None = None,
         **kwargs: Any,
     ) -> ChatRender:
         """Render ``messages`` (same arguments and text as :meth:`.template.ChatRenderer.render`).
+
+        Args:
+            same_prefix: ``Body.same_prefix`` of the :class:`.wire.IncrementalBody` that gave ``messages``
+                (one loader per session): ``messages[:same_prefix]`` are objects it gave at those positions
+                before, unmutated; they are then neither compared nor checked again. Verified at its last
+                position against the object the session keeps there (:meth:`_checked_prefix`); a failed
+                check compares as usual. ``None`` (callers without a loader): the session does not keep
+                the caller's objects (unless ``trust_identity``), so it holds no extra reference to them.
 
         Returns:
             :class:`ChatRender`; ``text`` equals ``full_render(...)`` char for char.
 
         Raises:
-            InvalidRequest: malformed messages, or the template refused them (the session keeps its
-            previous state).
+            InvalidRequest: malformed messages, or the template refused them (the session then forgets the
+            messages and records it kept, not the text: the next request renders whole, its departure is
+            measured against the last text served).
         """
-        _t.check_request(messages, add_generation_prompt, continue_final_message)
-        k, snaps, chat = self._diff(messages)
+        keep = same_prefix is not None or self.trust_identity
+        same_prefix = self._checked_prefix(messages, same_prefix)
+        # the trusted prefix passed this check in the previous request (same objects, unmutated)
+        _t.check_request(messages[same_prefix:] if same_prefix else messages, add_generation_prompt,
+                         continue_final_message)
+        try:
+            return self._render(messages, tools, documents, add_generation_prompt, continue_final_message,
+                                same_prefix, keep, kwargs)
+        except BaseException:
+            self._forget_messages()  # _diff edits the kept lists in place: after a failure they are stale
+            raise
+
+    def render_body(self, raw: bytes, *, top: str = "object", **options: Any) -> tuple[ChatRender, Any]:
+        """Parse a JSON request body (:class:`.wire.IncrementalBody`: only the bytes from the first changed
+        message on) and render its messages.
+
+        Args:
+            raw: UTF-8 JSON bytes: ``{"messages": [...], ...}`` (``top="object"``) or ``[...]``
+                (``top="array"``); the same ``top`` for every call of a session.
+            options: as :meth:`render` (``tools``, ``add_generation_prompt``, template kwargs); taken from
+                the caller, not from the body.
+
+        Returns:
+            ``(render, body)``: ``body`` equals ``orjson.loads(raw)``; its message dicts are shared with
+            later calls and must not be mutated.
+
+        Raises:
+            InvalidRequest: not valid JSON, no list of messages, or as :meth:`render`.
+        """
+        from toktier_backend.chat.wire import IncrementalBody
+
+        if self._body is None or self._body.top != top:
+            self._body = IncrementalBody(top=top)
+        loader = self._body
+        try:
+            got = loader.load(raw)
+        except BaseException:
+            self._forget_messages()
+            raise
+        if got.messages is None:
+            self._forget_messages()
+            want = "a JSON array of objects" if top == "array" else "a 'messages' member"
+            raise InvalidRequest(f"request body has no list of messages (expected {want})")
+        try:
+            return self.render(got.messages, same_prefix=got.same_prefix, **options), got.value
+        except BaseException:
+            loader.reset()  # the session forgot its state: the next same_prefix must not refer to it
+            raise
+
+    def _render(self, messages, tools, documents, add_generation_prompt, continue_final_message, same_prefix,
+                keep, kwargs) -> ChatRender:
+        k, snaps, chat = self._diff(messages, same_prefix, keep)
         final = None
         if continue_final_message:
             if not chat:
@@ -586,8 +764,8 @@ class ChatSession:
             final, chat[-1] = _t.continue_message(chat[-1])
             snaps = list(snaps)
             snaps[-1] = _NEVER
-            if self._next_raw:
-                self._next_raw[-1] = _NEVER  # the tagged copy must not be reused for the same object
+            if self._raw is not None:
+                self._raw[-1] = _NEVER  # the tagged copy must not be reused, nor trusted, for the same object
             k = min(k, len(chat) - 1)
         options = dict(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, **kwargs)
@@ -621,19 +799,23 @@ class ChatSession:
 
     # ------------------------------------------------------------ messages
 
-    def _diff(self, messages):
+    def _diff(self, messages, same_prefix=0, keep=False):
         """(k, snapshots, prepared messages): ``k`` is the first position whose message differs strictly from
         the previous request's. ``==`` on the lists (C, identity shortcut) finds value changes; it ignores
         int/float/bool and dict-order differences, so values that are not strings are also compared by
-        ``repr`` (exact for JSON types: distinct types and key orders give distinct reprs), and top-level
-        key order is compared where the template can observe it (``Plan.observes_message_order``)."""
+        ``marshal`` bytes (exact for JSON types: distinct types and key orders give distinct bytes), and
+        top-level key order is compared where the template can observe it (``Plan.observes_message_order``).
+        Positions below a checked ``same_prefix`` (:meth:`render`) are not compared.
+
+        ``keep``: keep the caller's objects (``_raw``) for the next request's checks. The kept lists
+        (snapshots, prepared messages, strict signatures, caller objects) are cut and extended in place: O(changed messages), not O(messages); :meth:`render` forgets them if the request fails."""
         old = self._snaps
         m = min(len(messages), len(old))
         k = m
-        trusted = 0
-        if self.trust_identity and m:
+        trusted = same_prefix  # checked by render (_checked_prefix)
+        if not trusted and self.trust_identity and m and self._raw is not None:
             # opt-in: the caller does not mutate message dicts it passed, so the same object is the same
-            # message; only positions from the first new object on are compared
+            # message (invariant of _raw); only positions from the first new object on are compared
             flags = list(map(operator.is_, messages[:m], self._raw[:m]))
             trusted = flags.index(False) if False in flags else m
         if trusted < m and old[trusted:m] != messages[trusted:m]:
@@ -645,13 +827,15 @@ class ChatSession:
                 else:
                     hi = mid
             k = lo
+        self.stats["messages_trusted"] += trusted
         if k > trusted:
             k = self._strict_prefix(messages, k, trusted)
-        snaps = old[:k]
-        chat = self._chat[:k]
+        snaps = old
+        chat = self._chat
+        del snaps[k:], chat[k:]
         pos, keys, reprs = self._strict
         cut = bisect_left(pos, k)
-        pos, keys, reprs = pos[:cut], keys[:cut], reprs[:cut]
+        del pos[cut:], keys[cut:], reprs[cut:]
         for i in range(k, len(messages)):
             sn = _t.plain(messages[i])
             snaps.append(sn)
@@ -662,8 +846,30 @@ class ChatSession:
                     keys.append(key)
                     reprs.append(_signature(v))
         self._next_strict = (pos, keys, reprs)
-        self._next_raw = list(messages) if self.trust_identity else []
+        raw = self._raw
+        if not keep:
+            self._raw = None
+        elif raw is None:
+            self._raw = list(messages)  # O(messages) once, when a caller starts passing same_prefix
+        else:
+            del raw[k:]
+            raw.extend(messages[k:])
         return k, snaps, chat
+
+    def _checked_prefix(self, messages, same_prefix: int) -> int:
+        """``same_prefix`` if its last position holds the object the session keeps there, else 0.
+
+        Sound for lists from one :class:`.wire.IncrementalBody`: the loader reuses an object at a position
+        only with every object before it, and the session keeps, per position, an object whose value equals
+        its snapshot there (``_raw``: set when the position was compared or rendered, kept while later
+        requests were equal there). So ``messages[same_prefix - 1] is _raw[same_prefix - 1]`` means every
+        message before it is an object the loader already gave at that position, equal to the snapshot."""
+        raw = self._raw
+        if (raw is None or type(same_prefix) is not int or same_prefix <= 0 or type(messages) is not list
+                or same_prefix > min(len(messages), len(raw), len(self._snaps))
+                or messages[same_prefix - 1] is not raw[same_prefix - 1]):
+            return 0
+        return same_prefix
 
     def _needs_strict(self, v, path: tuple) -> bool:
         """Can a value equal to ``v`` by ``==`` render differently? Yes if it holds a number or bool
@@ -718,7 +924,6 @@ class ChatSession:
 
     def _commit(self, snaps, chat, memos, pieces, text, length):
         self._strict = self._next_strict
-        self._raw = self._next_raw
         self._snaps, self._chat, self._memos, self._pieces, self._text, self._length = (
             snaps, chat, memos, pieces, text, length)
 
@@ -909,7 +1114,13 @@ class ChatSession:
     def _cum(memo: _Memo, old: _Memo | None, start: int):
         recs = memo.recs
         keep = memo.keep if old is not None else 0
-        cum = old.cum[:keep] if keep else []
+        if memo.shared is not None and memo.shared is old and len(old.cum) == old.n - start:
+            # shared (_Builder._extend): outputs below old.n are unchanged, extended in place; old keeps
+            # its view (old.n)
+            cum = old.cum
+            keep = old.n - start
+        else:
+            cum = old.cum[:keep] if keep else []
         total = cum[-1] if cum else 0
         for r in recs[start + keep:]:
             total += len(r.out)
@@ -935,7 +1146,7 @@ class ChatSession:
                         continue
                     break
                 if new.form.reverse or old.form != new.form:
-                    if not new.nonempty and not old.nonempty:
+                    if not new.has_output() and not old.has_output():
                         continue
                     break
                 j = new.keep
@@ -975,7 +1186,7 @@ def _get_or_missing(message, key):
 def _tail_text(memo, j) -> str:
     """Outputs of a forward loop's records from index ``j`` (position ``start + j``) on."""
     ne, recs = memo.nonempty, memo.recs
-    return "".join([recs[q].out for q in ne[bisect_left(ne, memo.form.start + j):]])
+    return "".join([recs[q].out for q in ne[bisect_left(ne, memo.form.start + j):bisect_left(ne, memo.n)]])
 
 
 def _stream(pieces, i, j):
@@ -989,12 +1200,12 @@ def _stream(pieces, i, j):
             continue
         recs = p.recs
         if p.form.reverse:
-            for q in reversed(p.nonempty):
+            for q in reversed(p._nonempty()):
                 yield recs[q].out
         else:
             first = p.form.start + (j if idx == i else 0)
             ne = p.nonempty
-            for q in ne[bisect_left(ne, first):]:
+            for q in ne[bisect_left(ne, first):bisect_left(ne, p.n)]:
                 yield recs[q].out
 
 

@@ -142,12 +142,15 @@ def find_cut(enc: Encoders, store: TextStore, buf: TokenBuffer, d: int) -> tuple
 
 
 def repair(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, *, whole: bool, d: int,
-           force_reference: bool, quarantined: Container[str], first: bool) -> RepairInfo:
+           force_reference: bool, quarantined: Container[str], first: bool, splice: bool = False) -> RepairInfo:
     """Bring ``store`` and ``buf`` to the new text; return what was done.
 
     Args:
-        new: the whole new text (``whole``) or the delta appended to the stored text.
-        d: the departure point (:func:`departure`).
+        new: the whole new text (``whole``), the delta appended to the stored text, or (``splice``) the
+            text that replaces the stored text from ``d`` on.
+        d: the departure point (:func:`departure`); with ``splice``, the caller's: the new text is
+            ``stored[:d] + new``. The cut search only reads the stored text before ``d``, which the new
+            text shares, so any ``d`` not past the true departure point gives the same ids.
         force_reference: encode the whole text through the reference (the session's ids predate a
             quarantine).
         quarantined: routes the fast path may not serve (``"append"``, ``"edit"``, ``"full"``).
@@ -157,17 +160,23 @@ def repair(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, *, whole
     prefix and suffix, and ``store`` holds the new text. An exception from an encode leaves both unchanged.
     """
     old_len = len(store)
-    new_len = len(new) if whole else old_len + len(new)
+    if splice:
+        new_len = d + len(new)
+    else:
+        new_len = len(new) if whole else old_len + len(new)
     route = "append" if d == old_len else "edit"
     if force_reference or route in quarantined:
-        return _full(enc, store, buf, new, whole, d, 0, first, reference=True, fallback="quarantined")
+        return _full(enc, store, buf, new, whole, d, 0, first, reference=True, fallback="quarantined", splice=splice)
     found = find_cut(enc, store, buf, d) if d > 0 and new_len > 0 else None
     if found is None:
         no_cut = d > 0 and new_len > 0 and enc.cuts.supported
         return _full(enc, store, buf, new, whole, d, WIDENINGS + 1 if d > 0 else 0, first,
-                     fallback="no_cut" if no_cut else "")
+                     fallback="no_cut" if no_cut else "", splice=splice)
     c, keep, widenings = found
-    tail = new[c:] if whole else store.tail(c) + new
+    if splice:
+        tail = store.tail(c)[: d - c] + new
+    else:
+        tail = new[c:] if whole else store.tail(c) + new
     body, engine = enc.encode_body(tail, route=route)
     base = buf.body_nbytes_before(keep)
     buf.splice(keep, body, enc.token_nbytes)
@@ -177,8 +186,8 @@ def repair(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, *, whole
                   enc.cuts.name, c)
         # only the kept ids of the previous reply are still in the buffer: KEEP may not go past them
         return _full(enc, store, buf, new, whole, d, widenings, first, reference=True, fallback="offset_check",
-                     old_valid=buf.n_prefix + keep)
-    _commit(store, new, whole)
+                     old_valid=buf.n_prefix + keep, splice=splice)
+    _commit(store, new, whole, d if splice else None)
     return RepairInfo(
         route=route, departure=d, cut=c, widenings=widenings, reused=buf.n_prefix + keep,
         reencoded=len(body), engine=engine,
@@ -186,17 +195,24 @@ def repair(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, *, whole
     )
 
 
-def _commit(store: TextStore, new: str, whole: bool) -> None:
-    if whole:
+def _commit(store: TextStore, new: str, whole: bool, at: int | None = None) -> None:
+    if at is not None:
+        store.truncate(at)
+        store.append(new)
+    elif whole:
         store.replace(new)
     else:
         store.append(new)
 
 
 def _full(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, whole: bool, d: int, widenings: int,
-          first: bool, *, reference: bool = False, fallback: str = "", old_valid: int | None = None) -> RepairInfo:
+          first: bool, *, reference: bool = False, fallback: str = "", old_valid: int | None = None,
+          splice: bool = False) -> RepairInfo:
     """The whole new text encoded (the reference when ``reference``), spliced over the whole buffer."""
-    text = new if whole else store.text + new
+    if splice:
+        text = store.text[:d] + new
+    else:
+        text = new if whole else store.text + new
     # a view, not a copy: splice never changes ids a live view shows (copy-on-write, token_buffer.py)
     old = None if first else buf.ids()[:old_valid]
     if reference:
@@ -206,7 +222,10 @@ def _full(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, whole: bo
     if engine == "hf" and not fallback:
         fallback = enc.fallback_reason(text, "full")
     buf.splice(0, body, enc.token_nbytes if enc.token_nbytes is not None else zeros_for(body))
-    _commit(store, new, whole)
+    if splice:
+        store.replace(text)
+    else:
+        _commit(store, new, whole)
     reused = common_prefix_len(old, buf.ids()) if old is not None else 0
     return RepairInfo(route="full", departure=d, cut=0, widenings=widenings, reused=reused,
                       reencoded=len(body), engine=engine, fallback=fallback)
