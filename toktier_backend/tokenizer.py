@@ -398,6 +398,10 @@ class Session:
         call; ``pipeline/text_store.py``): for a reader off the request path, which joins it there."""
         return self._store.blocks()
 
+    def tail(self, start: int) -> str:
+        """``self.text[start:]`` without joining the text before ``start``: O(len(self) - start) chars."""
+        return self._store.tail(start)
+
     def __len__(self) -> int:
         """Length of the text (chars)."""
         return len(self._store)

@@ -93,6 +93,46 @@ def test_keyed_trajectory_turn_by_turn(chat_folder, tmp_path, name):
     assert core.drop("conv-1") and core.store.nbytes == 0
 
 
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
+def test_keyed_raw_bodies_parse_from_the_first_changed_message(chat_folder, tmp_path, name):
+    """``messages`` as the JSON array's bytes (Triton's ``MESSAGES``), keyed: turn by turn, then a rewrite of
+    an early message and a truncation (renders that do not extend the previous text: ``splice``). Every reply
+    equals the reference; after the first turn the leading messages are reused from the previous body
+    (``messages_trusted``), not parsed and compared again."""
+    folder = chat_folder(name)
+    core, _ = _core(folder, tmp_path)
+    conv, options = _trajectory(name)
+    edited = json.loads(json.dumps(conv))
+    edited[2]["content"] = "rewritten: " + str(edited[2]["content"])[:200]
+    steps = [(conv[:i], conv[i - 1]["role"] != "assistant") for i in range(2, len(conv) + 1)]
+    steps += [(edited, True), (edited[:7], True), (edited[:7] + [{"role": "user", "content": "and now?"}], True)]
+    for i, (msgs, agp) in enumerate(steps):
+        raw = json.dumps(msgs).encode()
+        r = core.chat(ORIGIN, raw, key="raw-1", add_generation_prompt=agp, **options)
+        assert r.ids.tolist() == _want(folder, name, msgs, add_generation_prompt=agp, **options)[1], (name, i)
+        assert r.render == "incremental", (name, i, r.render)
+    entry = core.store.get("raw-1")
+    assert entry.chat.stats["messages_trusted"] > len(conv)  # the byte-identical prefixes were reused
+    assert entry.chat_nbytes >= len(raw)  # the loader's kept body is charged
+
+
+def test_raw_bodies_refused_with_what_is_wrong(chat_folder, tmp_path):
+    """Malformed ``MESSAGES`` bytes, keyed or not, new or on a held conversation: InvalidRequest naming the
+    problem, and the held conversation still answers exactly afterwards."""
+    name = "qwen3"
+    folder = chat_folder(name)
+    core, _ = _core(folder, tmp_path)
+    conv, options = _trajectory(name, 6)
+    core.chat(ORIGIN, json.dumps(conv[:4]).encode(), key="k", add_generation_prompt=True, **options)
+    for key in ("k", "other", None):
+        for raw, why in [(b"[{not json", "not JSON"), (b'{"role": "user"}', "JSON array of message objects"),
+                         (b'[{"role": "user", "content": "x"}, 3]', "element 1 is a int")]:
+            with pytest.raises(InvalidRequest, match=why):
+                core.chat(ORIGIN, raw, key=key, add_generation_prompt=True, **options)
+    r = core.chat(ORIGIN, json.dumps(conv[:6]).encode(), key="k", add_generation_prompt=True, **options)
+    assert r.ids.tolist() == _want(folder, name, conv[:6], add_generation_prompt=True, **options)[1]
+
+
 def test_unkeyed_conversation_found_by_its_first_messages(chat_folder, tmp_path):
     """No key: a short request is rendered in full and encoded without a session (``full:no_session``); once
     the contents reach ``min_prefix_chars`` a session is opened and found again by the first two messages."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -116,6 +117,29 @@ def test_sampling_first_n_then_rate(tok):
     install(tok)
     assert v.wants() and v.wants() and v.wants() and not v.wants()
     v.close(), v2.close()
+
+
+def test_cpu_budget_bounds_random_samples_not_the_first_n(tok, monkeypatch):
+    """Beyond the first ``first_n``, a reply the rate picks is sampled only while the checks' busy time is
+    within ``cpu_share`` x uptime + ``BURST_S``; the first ``first_n`` are sampled regardless."""
+    from toktier_backend.serving import verifier as vmod
+
+    monkeypatch.setattr(vmod, "BURST_S", 0.05)
+    v = Verifier(tok, rate=1.0, first_n=1, cpu_share=0.01)
+    real = v._check
+    v._check = lambda s: (time.sleep(0.3), real(s))  # a check as long as a 100K-char re-encode
+    assert v.wants()  # the first one, and within budget anyway
+    text = "budgeted checks " * 20
+    assert v.submit(text, np.array(ref(tok, text), dtype=np.int32), add_special_tokens=True, route="full")
+    assert v.drain(30) and v.samples == 1 and v.mismatches == 0
+    assert not any(v.wants() for _ in range(40))  # 0.3 s spent > 0.01 x (< 5 s) + 0.05 s
+    assert v.budget_skipped == 40
+    unbounded = Verifier(tok, rate=1.0, first_n=0, cpu_share=None)
+    unbounded._spent = 1e6  # as if it had checked for days: no budget, so still sampled
+    assert all(unbounded.wants() for _ in range(10))
+    with pytest.raises(ValueError, match="cpu_share"):
+        Verifier(tok, cpu_share=1.5)
+    v.close(), unbounded.close()
 
 
 def test_full_queue_drops_and_never_blocks(tok):

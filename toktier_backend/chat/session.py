@@ -745,7 +745,7 @@ class ChatSession:
             raise
         if got.messages is None:
             self._forget_messages()
-            want = "a JSON array of objects" if top == "array" else "a 'messages' member"
+            want = "a JSON array of message objects" if top == "array" else "a 'messages' member"
             raise InvalidRequest(f"request body has no list of messages (expected {want})")
         try:
             return self.render(got.messages, same_prefix=got.same_prefix, **options), got.value

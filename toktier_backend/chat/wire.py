@@ -377,4 +377,34 @@ def _member_array(raw: bytes, key: str, maybe_key) -> int | None:
     return None
 
 
-__all__ = ["Body", "IncrementalBody"]
+def parse_messages(raw: Any, what: str = "messages") -> list:
+    """A JSON array of message objects parsed whole (``jsonio.loads``, orjson): the twin of
+    :class:`IncrementalBody` ``top="array"`` for a request with no conversation to compare against.
+
+    Args:
+        raw: UTF-8 JSON (``bytes`` or ``str``).
+        what: the input's name in error messages (``MESSAGES`` on Triton).
+
+    Raises:
+        InvalidRequest: not bytes or str, not JSON, or not a JSON array of objects.
+    """
+    from toktier_backend.errors import InvalidRequest
+
+    if not isinstance(raw, (bytes, bytearray, memoryview, str)):
+        raise InvalidRequest(f"{what} must be UTF-8 JSON bytes, got {type(raw).__name__}.")
+    try:
+        messages = jsonio.loads(bytes(raw) if isinstance(raw, (bytearray, memoryview)) else raw)
+    except ValueError as e:
+        raise InvalidRequest(f"{what} is not JSON ({e}); send a JSON array of messages, e.g. "
+                             f"[{{\"role\": \"user\", \"content\": \"hi\"}}].") from e
+    if not isinstance(messages, list):
+        raise InvalidRequest(f"{what} must be a JSON array of message objects, got a JSON "
+                             f"{type(messages).__name__}.")
+    bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict)), None)
+    if bad is not None:
+        raise InvalidRequest(f"{what} must be a JSON array of message objects; element {bad} is a "
+                             f"{type(messages[bad]).__name__}.")
+    return messages
+
+
+__all__ = ["Body", "IncrementalBody", "parse_messages"]

@@ -7,7 +7,7 @@ gather them).
 
 A ``toktier_session`` request carries either ``TEXT`` or ``MESSAGES`` (a chat request: a JSON array of
 OpenAI-style messages, rendered with the model's chat template by the serving core), never both
-(:func:`chat_args`, :func:`parse_messages`).
+(:func:`chat_args`, :func:`messages_bytes`).
 """
 
 from __future__ import annotations
@@ -118,30 +118,18 @@ def is_chat(inputs: Mapping[str, np.ndarray | None]) -> bool:
     return inputs.get("MESSAGES") is not None
 
 
-def parse_messages(raw: Any) -> list:
-    """The ``MESSAGES`` element (UTF-8 JSON bytes) as a list of message objects: the one place this face
-    parses a chat body (``jsonio.loads``, orjson).
+def messages_bytes(raw: Any) -> bytes:
+    """The ``MESSAGES`` element as the UTF-8 JSON bytes of a message array, not parsed here: the core
+    parses a keyed conversation's request from its first changed message on (``ServingCore.chat``).
 
     Raises:
-        InvalidRequest: not ``TYPE_STRING``, not JSON, or not a JSON array of objects.
+        InvalidRequest: not ``TYPE_STRING``.
     """
-    from toktier_backend import jsonio
-
-    if not isinstance(raw, (bytes, str)):
+    if isinstance(raw, str):
+        return raw.encode("utf-8", "surrogatepass")  # a lone surrogate stays invalid UTF-8: the parse refuses it
+    if not isinstance(raw, bytes):
         raise InvalidRequest(f"input 'MESSAGES' must be TYPE_STRING (UTF-8 JSON bytes), got {type(raw).__name__}.")
-    try:
-        messages = jsonio.loads(raw)
-    except ValueError as e:
-        raise InvalidRequest(f"input 'MESSAGES' is not JSON ({e}); send a JSON array of messages, e.g. "
-                             f"[{{\"role\": \"user\", \"content\": \"hi\"}}].") from e
-    if not isinstance(messages, list):
-        raise InvalidRequest(f"input 'MESSAGES' must be a JSON array of message objects, got a JSON "
-                             f"{type(messages).__name__}.")
-    bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict)), None)
-    if bad is not None:
-        raise InvalidRequest(f"input 'MESSAGES' must be a JSON array of message objects; element {bad} is a "
-                             f"{type(messages[bad]).__name__}.")
-    return messages
+    return raw
 
 
 def _json_object(inputs: Mapping[str, np.ndarray | None], name: str) -> dict:
@@ -192,7 +180,7 @@ def chat_args(inputs: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
     if not isinstance(cont, bool):
         raise InvalidRequest(f"CHAT_TEMPLATE_KWARGS continue_final_message must be a boolean, got {cont!r}.")
     return {
-        "messages": parse_messages(scalar(inputs, "MESSAGES")),
+        "messages": messages_bytes(scalar(inputs, "MESSAGES")),
         "reply": scalar(inputs, "REPLY"),
         "add_special": _flag(inputs, "ADD_SPECIAL_TOKENS"),
         "add_generation_prompt": bool(_flag(inputs, "ADD_GENERATION_PROMPT")),

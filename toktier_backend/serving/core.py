@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
 
 import numpy as np
 
+from toktier_backend.chat.wire import parse_messages
 from toktier_backend.config import default_quarantine_file, parse_bool
 from toktier_backend.errors import EngineUnavailable, InvalidRequest, UnknownSession, UnsupportedTokenizer
 from toktier_backend.runtime import pool as runtime_pool
@@ -59,7 +60,7 @@ from toktier_backend.serving.session_store import (
     SessionEntry,
     SessionStore,
 )
-from toktier_backend.serving.verifier import ChatCheck, Verifier, chat_template_key
+from toktier_backend.serving.verifier import DEFAULT_CPU_SHARE, ChatCheck, Verifier, chat_template_key
 from toktier_backend.tokenizer import Tokenizer, decode_text, load_tokenizer
 
 if TYPE_CHECKING:  # the GPU package is imported only by a GPU model instance
@@ -135,8 +136,8 @@ class CoreConfig:
         max_sessions: most sessions held (0: unbounded).
         min_prefix_chars: shortest text (chars) without a key matched to a session by prefix.
         checkpoint_chars: first prefix checkpoint, chars.
-        verifier_rate, verifier_first_n, verifier_queue, verifier_debug: the shadow verifier (no verifier
-            when rate and first_n are both 0).
+        verifier_rate, verifier_first_n, verifier_cpu_share, verifier_queue, verifier_debug: the shadow
+            verifier (``serving.verifier.Verifier``; no verifier when rate and first_n are both 0).
         quarantine_file: shared quarantine file (``""``: ``config.default_quarantine_file()``).
         pool_workers: ``None``: the process-wide pool as it is; else replace it with this many workers (0 = one
             per core) and ``pool_express`` / ``pool_nice`` / ``pool_pin`` (``runtime/pool.py``).
@@ -159,6 +160,7 @@ class CoreConfig:
     checkpoint_chars: int = DEFAULT_CHECKPOINT_CHARS
     verifier_rate: float = 0.01
     verifier_first_n: int = 32
+    verifier_cpu_share: float = DEFAULT_CPU_SHARE
     verifier_queue: int = 64
     verifier_debug: bool = False
     quarantine_file: str = ""
@@ -180,7 +182,7 @@ class CoreConfig:
 
         Keys: ``tokenizer``, ``tokenizer_sha256``, ``engine``, ``max_text_bytes``, ``session_budget_bytes``,
         ``max_sessions``, ``session_ttl_s``, ``min_prefix_chars``, ``verifier_rate``, ``verifier_first_n``,
-        ``verifier_queue``, ``verifier_debug``, ``quarantine_file``, ``pool_workers`` (unset: the process-wide
+        ``verifier_cpu_share``, ``verifier_queue``, ``verifier_debug``, ``quarantine_file``, ``pool_workers`` (unset: the process-wide
         pool as it is; 0 = replace it with one worker per core),
         ``pool_express``, ``pool_nice``, ``pool_pin``, ``chunk_chars`` (0 = the encoder's default),
         ``parallel_min_chars``, ``gpu_engine`` (``auto`` | ``off``), ``gpu_crossover_chars``, ``gpu_max_queue``,
@@ -220,6 +222,7 @@ class CoreConfig:
             min_prefix_chars=num("min_prefix_chars", d.min_prefix_chars),
             verifier_rate=num("verifier_rate", d.verifier_rate, float),
             verifier_first_n=num("verifier_first_n", d.verifier_first_n),
+            verifier_cpu_share=num("verifier_cpu_share", d.verifier_cpu_share, float),
             verifier_queue=num("verifier_queue", d.verifier_queue),
             verifier_debug=parse_bool(raw("verifier_debug"), False, name="model parameter verifier_debug"),
             quarantine_file=raw("quarantine_file") or "",
@@ -388,6 +391,7 @@ class ServingCore:
         verifier = None
         if c.verifier_rate > 0 or c.verifier_first_n > 0:
             verifier = Verifier(tokenizer, rate=c.verifier_rate, first_n=c.verifier_first_n,
+                                cpu_share=c.verifier_cpu_share,
                                 queue_size=c.verifier_queue, debug=c.verifier_debug,
                                 quarantine_file=c.quarantine_file or str(default_quarantine_file()), name=str(spec))
         template, special = _load_chat_template(tokenizer, c.chat_template)
@@ -667,7 +671,7 @@ class ServingCore:
     def chat(
         self,
         origin: Origin,
-        messages: list[Mapping[str, Any]],
+        messages: list[Mapping[str, Any]] | bytes,
         *,
         key: Key | None = None,
         tools: list[Any] | None = None,
@@ -696,7 +700,11 @@ class ServingCore:
 
         Args:
             origin: the face and model, for the metrics.
-            messages: OpenAI-style ``{"role", "content", ...}`` dicts (parsed JSON).
+            messages: OpenAI-style ``{"role", "content", ...}`` dicts (parsed JSON), or the UTF-8 JSON
+                array of them as ``bytes`` (Triton's ``MESSAGES``): a keyed conversation then parses only
+                the bytes from its first changed message on (:class:`~toktier_backend.chat.wire.
+                IncrementalBody`, held by its chat session); the message dicts it gives are shared with the
+                conversation's later requests.
             key: the conversation's key (correlation ID, header value, body field); ``None``, ``0``, ``""``:
                 none.
             tools, documents, add_generation_prompt, continue_final_message: as ``apply_chat_template``.
@@ -745,6 +753,8 @@ class ServingCore:
             options = _chat_options(tools, documents, add_generation_prompt, continue_final_message,
                                     chat_template_kwargs)
             quarantined = self.verifier is not None and tpl.key in self.verifier.chat_quarantined
+            if key is None and isinstance(messages, (bytes, bytearray, memoryview)):
+                messages = parse_messages(messages)  # no conversation to compare the bytes with
             if key is not None:
                 out = self._chat_keyed(origin, tpl, key, messages, options, flag, reply, wait, quarantined, t0)
             else:
@@ -773,7 +783,7 @@ class ServingCore:
                     return self._chat_run(origin, tpl, key, new, messages, options, reply, quarantined, t0,
                                           fresh=True)
             if not entry.lock.acquire(blocking=wait):
-                return self._chat_stateless(origin, tpl, messages, options, flag, t0,
+                return self._chat_stateless(origin, tpl, _parsed(messages), options, flag, t0,
                                             "quarantined" if quarantined else "busy")
             try:
                 if not self.store.holds(key, entry):
@@ -809,23 +819,25 @@ class ServingCore:
             entry.lock.release()
 
     @staticmethod
-    def _chat_advance(render, text_bytes: int, synced: bool) -> tuple[Callable, int]:
+    def _chat_advance(render, session, text_bytes: int, synced: bool) -> tuple[Callable, int]:
         """How the tokenizer session follows a render: ``(update, size)``, ``update(session) -> ids`` and the
         new text's size in UTF-8 bytes.
 
         ``synced``: the session's text is the chat session's previous render (no other request, no failed
-        step since). Then a render that extends it is an ``append(delta)`` (exact by definition of
-        ``departure``). Otherwise ``update(text)``, which finds the departure again by comparing texts.
+        step since). Then the new text is the session's first ``render.departure`` chars + ``render.delta``
+        (the definition of ``departure``): an ``append(delta)`` when it extends the old text, else a
+        ``splice(departure, delta)``; neither joins nor compares the text before the departure. Otherwise
+        ``update(text)``, which finds the departure again by comparing texts.
 
         Raises:
             InvalidRequest: the text holds a lone surrogate (UTF-8 cannot encode it).
         """
-        if synced and render.extends_previous:
-            delta = render.delta
-            return (lambda s: s.append(delta)), text_bytes + _utf8_size(delta)
+        if synced:
+            delta, at = render.delta, render.departure
+            if render.extends_previous:
+                return (lambda s: s.append(delta)), text_bytes + _utf8_size(delta)
+            return (lambda s: s.splice(at, delta)), text_bytes - _utf8_size(session.tail(at)) + _utf8_size(delta)
         text = render.text
-        # The one call site where the departure is known but not used: with ``synced`` this becomes
-        # ``s.splice(render.departure, render.delta)`` once ``Session.splice`` exists (no O(n) compare).
         return (lambda s: s.update(text)), _utf8_size(text)
 
     def _chat_run(self, origin: Origin, tpl: "ChatTemplate", key: Key, entry: SessionEntry, messages, options: dict,
@@ -834,8 +846,10 @@ class ServingCore:
         """Render (incrementally, or in full while quarantined), advance the tokenizer session on the pool at
         REPAIR priority, hold and charge the entry, sample, count. The caller holds ``entry.lock``."""
         synced = entry.chat is not None and entry.chat_synced == entry.requests
+        body_bytes = len(messages) if isinstance(messages, (bytes, bytearray, memoryview)) else 0
         entry.chat_synced = -1  # until this step has succeeded (a failed render or encode breaks the pairing)
         if quarantined:
+            messages = _parsed(messages)
             render = _FullRender(tpl.full_renderer().render(messages, **options), "full:quarantined")
             chat = None  # its records no longer describe the session's text: dropped, rebuilt when released
             synced = False
@@ -843,8 +857,15 @@ class ServingCore:
             chat = entry.chat
             if chat is None or getattr(chat, "template", None) is not tpl:
                 chat, synced = tpl.session(), False  # new, or made for a template the core no longer uses
-            render = chat.render(messages, **options)
-        update, size = self._chat_advance(render, entry.text_bytes, synced)
+            if isinstance(messages, (bytes, bytearray, memoryview)):
+                try:
+                    render, messages = chat.render_body(messages, top="array", **options)
+                except InvalidRequest:
+                    parse_messages(messages)  # a malformed array raises its precise error (only on a refusal)
+                    raise  # well formed: the template refused it
+            else:
+                render = chat.render(messages, **options)
+        update, size = self._chat_advance(render, entry.session, entry.text_bytes, synced)
         if size > self.max_text_bytes:
             raise InvalidRequest(
                 f"the rendered prompt is {size} bytes, over max_text_bytes={self.max_text_bytes} (tokenizer "
@@ -867,7 +888,8 @@ class ServingCore:
             entry.last_used = self.store.now()
             entry.requests += 1
             entry.chat_synced = entry.requests if chat is not None else -1
-            entry.chat_nbytes = chat_nbytes(chars, entry.chat_width, len(messages)) if chat is not None else 0
+            entry.chat_nbytes = (chat_nbytes(chars, entry.chat_width, len(messages), body_bytes)
+                                 if chat is not None else 0)
             if fresh:
                 self.store.put(key, entry)  # (may evict least recently used sessions, or this one)
             else:
@@ -1163,10 +1185,11 @@ CHAT_OVERHEAD = 64 * 1024
 namespace class (same test)."""
 
 
-def chat_nbytes(chars: int, width: int, messages: int) -> int:
+def chat_nbytes(chars: int, width: int, messages: int, body_bytes: int = 0) -> int:
     """Bytes charged for a chat session whose last render was ``chars`` chars of ``width`` bytes per char
-    (1, 2 or 4: CPython's compact strings) over ``messages`` messages."""
-    return CHAT_COPIES * width * chars + CHAT_MESSAGE_BYTES * messages + CHAT_OVERHEAD
+    (1, 2 or 4: CPython's compact strings) over ``messages`` messages, plus the ``body_bytes`` of the raw
+    request its incremental parser keeps (``chat.wire.IncrementalBody``; 0 for parsed messages)."""
+    return CHAT_COPIES * width * chars + CHAT_MESSAGE_BYTES * messages + CHAT_OVERHEAD + body_bytes
 
 
 class ChatTemplate:
@@ -1269,6 +1292,13 @@ def _chat_options(tools, documents, add_generation_prompt, continue_final_messag
         raise InvalidRequest(f"chat_template_kwargs may not set {bad!r}: send them as the request's own fields")
     return {**kwargs, "tools": tools, "documents": documents, "add_generation_prompt": bool(add_generation_prompt),
             "continue_final_message": bool(continue_final_message)}
+
+
+def _parsed(messages):
+    """``messages`` as a list: raw JSON bytes (Triton's ``MESSAGES``) parsed whole."""
+    if isinstance(messages, (bytes, bytearray, memoryview)):
+        return parse_messages(messages)
+    return messages
 
 
 def _chat_fingerprint(flag: bool, messages) -> Hashable | None:

@@ -2,7 +2,8 @@
 
 Admission (canary + exhaustive guard set) and the cut proofs are what make every id exact; the verifier is
 the net under them, in production. It samples replies — always the first ``first_n`` per tokenizer and
-engine build, then each with probability ``rate`` — and hands them to one background thread through a
+engine build, then each with probability ``rate`` while the checks stay within ``cpu_share`` of one CPU —
+and hands them to one background thread through a
 bounded queue: a full queue *drops* the sample (counted), it never blocks a reply. The thread encodes the
 text with ``tokenizers.Tokenizer.encode_batch([text])`` (which releases the GIL, unlike ``encode``) and
 compares.
@@ -56,6 +57,11 @@ from toktier_backend.tokenizer import FAST_ROUTES, Tokenizer
 
 log = logging.getLogger(__name__)
 
+
+#: Default :class:`Verifier` ``cpu_share``: 2 % of one CPU for the checks beyond the first ``first_n``.
+DEFAULT_CPU_SHARE = 0.02
+#: Seconds of checks the budget allows ahead of ``cpu_share`` x uptime (one long check can always start).
+BURST_S = 1.0
 
 CHAT_KEY_PREFIX = "chat-template/"
 """Build keys ``chat-template/<sha256 of the template source>`` in the quarantine file: a chat template whose
@@ -225,6 +231,12 @@ class Verifier:
             ``quarantine`` is what a mismatch triggers).
         rate: probability that a reply beyond the first ``first_n`` is sampled (0 disables that).
         first_n: replies always sampled per build key (tokenizer file sha256 + engine name and version).
+        cpu_share: the most of one CPU the checks may take over time, beyond the first ``first_n``: a reply
+            is sampled (with probability ``rate``) only while the checks' busy time so far is at most
+            ``cpu_share`` x the seconds since the verifier started, plus :data:`BURST_S`. A check re-encodes
+            the whole text with the reference (O(context) CPU), so without it a fixed ``rate`` costs the
+            server more per request the longer the contexts (``docs/design/served_path.md``). ``None`` or 0:
+            no budget. Replies the budget refused: :attr:`budget_skipped`.
         queue_size: most samples waiting; beyond it a sample is dropped (counted in ``dropped``).
         max_queue_bytes: most bytes (text + ids) waiting; beyond it a sample is dropped.
         debug: put the differing text window and ids in the log (default: redacted).
@@ -241,6 +253,7 @@ class Verifier:
         *,
         rate: float = 0.01,
         first_n: int = 32,
+        cpu_share: float | None = DEFAULT_CPU_SHARE,
         queue_size: int = 64,
         max_queue_bytes: int = 64 << 20,
         debug: bool = False,
@@ -255,6 +268,12 @@ class Verifier:
         self.tokenizer = tokenizer
         self.rate = float(rate)
         self.first_n = int(first_n)
+        if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
+            raise ValueError(f"cpu_share must be in [0, 1], got {cpu_share!r}")
+        self.cpu_share = float(cpu_share or 0.0)
+        self._t0 = time.monotonic()
+        self._spent = 0.0  # seconds the worker spent checking (wall time of each check: GIL waits included)
+        self.budget_skipped = 0  # replies the rate picked that the budget refused
         self.max_queue_bytes = int(max_queue_bytes)
         self.debug = bool(debug)
         self.name = name or str(tokenizer.spec.path)
@@ -295,7 +314,12 @@ class Verifier:
         if seen < self.first_n:
             self._seen[key] = seen + 1
             return True
-        return self.rate > 0 and self._rng.random() < self.rate
+        if self.rate <= 0 or self._rng.random() >= self.rate:
+            return False
+        if self.cpu_share and self._spent > self.cpu_share * (time.monotonic() - self._t0) + BURST_S:
+            self.budget_skipped += 1
+            return False
+        return True
 
     def submit(self, text: str, ids: np.ndarray, *, add_special_tokens: bool, route: str, cut: int = 0,
                engine: str = "", tag: Any = None, frozen: bool = False, chat: ChatCheck | None = None) -> bool:
@@ -431,6 +455,7 @@ class Verifier:
             self._busy += 1
             with self._lock:
                 self._queued_bytes -= sample.nbytes
+            t0 = time.perf_counter()
             try:
                 if not isinstance(sample.text, str):
                     sample.text = "".join(sample.text)  # a session's text blocks: joined here, off the request path
@@ -438,6 +463,7 @@ class Verifier:
             except Exception:  # the verifier must never take the server down
                 log.exception("shadow verifier failed on a sample (route %s)", sample.route)
             finally:
+                self._spent += time.perf_counter() - t0
                 self._busy -= 1
 
     def _check(self, s: Sample) -> None:
