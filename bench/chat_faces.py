@@ -73,13 +73,13 @@ def run(name: str, size: int, samples: int, shared: Path) -> dict:
         core = ServingCore(tok, chat_template=src, special_tokens=sp)
         warm = orjson.dumps(conv[:start])
         if system == "render+encode":
-            core.encode(origin, renderer.render(orjson.loads(warm), add_generation_prompt=True, **options),
-                        key="conv", add_special_tokens=False)
+            r = core.encode(origin, renderer.render(orjson.loads(warm), add_generation_prompt=True, **options),
+                            key="conv", add_special_tokens=False)
         else:
-            core.chat(origin, warm if system == "core.chat(bytes)" else orjson.loads(warm), key="conv",
-                      add_generation_prompt=True, reply="patch", **options)
+            r = core.chat(origin, warm if system == "core.chat(bytes)" else orjson.loads(warm), key="conv",
+                          add_generation_prompt=True, reply="full", **options)
         ms, bad, checked = [], 0, 0
-        held = None
+        held = r.ids.tolist()  # the full ids the next patch reply's keep refers to
         for i, raw in enumerate(bodies):
             arg = bytes(raw) if system == "core.chat(bytes)" else orjson.loads(raw)
             gc.collect()
@@ -91,7 +91,7 @@ def run(name: str, size: int, samples: int, shared: Path) -> dict:
                 r = core.chat(origin, arg, key="conv", add_generation_prompt=True, reply="patch", **options)
             ms.append((time.perf_counter() - t0) * 1e3)
             ids = r.ids.tolist()
-            if r.keep:
+            if len(ids) < r.n:  # a patch reply: ids from keep on
                 ids = held[:r.keep] + ids
             held = ids
             text = renderer.render(orjson.loads(raw), add_generation_prompt=True, **options)
