@@ -208,18 +208,27 @@ class PrefixIndex:
                         if node is None:
                             continue
                     chain = _chain(node)
-                    if chain[0].start != 0 or not _same_text(text, chain):
+                    if (chain[0].start != 0 or any(self._nodes.get(x.key) is not x for x in chain)
+                            or not _same_text(text, chain)):
                         self.collisions += 1  # fingerprint (or orphaned chain) without the content: keep looking
                         continue
-                    now = self.clock()
-                    for x in chain:  # root first: ancestors stay more recent than their leaves
-                        self._nodes.move_to_end(x.key)
-                        x.used = now
+                    self._touch(chain)
                     self.hits += 1
                     self.chars_reused += node.end
                     return PrefixHit(cut=node.end, parts=[x.ids for x in chain], node=node)
             self.misses += 1
             return None
+
+    def _touch(self, chain: list[_Node]) -> None:
+        """Mark a root-first ``chain`` used now, leaf first, so every node ends more recent than all of its
+        descendants. Proof that eviction then never orphans a live node: the order is changed only here, a
+        whole chain at a time, each node moved after its descendants on that chain; so in the LRU order a
+        node precedes each of its ancestors, and ``popitem(last=False)`` takes a node no live node hangs
+        from. (A lookup also checks that every node of a chain is still held.)"""
+        now = self.clock()
+        for x in reversed(chain):
+            self._nodes.move_to_end(x.key)
+            x.used = now
 
     def _node_at(self, text: str, i: int) -> _Node | None:
         c = self.finder.grid_cut(text, i, self.step)
@@ -287,9 +296,9 @@ class PrefixIndex:
                     lo = s if lo is None else lo
                     hi = c
                     added += 1
-                self._nodes.move_to_end(key)
-                node.used = self.clock()
                 parent, tok = node, tok + len(ids)
+            if parent is not None and parent is not (after.node if after is not None else None):
+                self._touch(_chain(parent))
             if added:
                 region.text = whole if (lo, hi) == (plan[0][1], plan[-1][2]) else text[lo:hi]
                 region.nbytes = sys.getsizeof(region.text)

@@ -1,6 +1,6 @@
 """Triton Python backend model ``toktier_session_noop``: the serving floor (``load/capacity.py`` route ``noop``).
 
-Inputs and outputs as ``toktier_session`` (TEXT, optional MODE, REPLY, ADD_SPECIAL_TOKENS; INPUT_ID,
+Inputs and outputs as ``toktier_session`` (TEXT or MESSAGES, optional MODE, REPLY, ADD_SPECIAL_TOKENS, chat inputs; INPUT_ID,
 REQUEST_INPUT_LEN, KEEP, ROUTE), under the same sequence batcher. ``execute`` reads every input tensor of
 each request (as ``toktier_session`` does, through ``triton_io.read_inputs``) and answers a constant:
 ``INPUT_ID`` int32[0], ``REQUEST_INPUT_LEN`` [0], ``KEEP`` [0], ``ROUTE`` [b"noop"]. No tokenizer is loaded.
