@@ -88,6 +88,36 @@ def test_eviction_under_a_small_budget(corpus_texts):
     assert idx.evictions > 0 and idx.nbytes <= 40_000
 
 
+def test_eviction_takes_leaves_before_the_prefixes_they_hang_from(corpus_texts):
+    """Node by node eviction (the shared budget's LRU) never leaves a held node whose ancestor is gone, after
+    inserts and after lookups of shorter prefixes (which touch only the head of a chain); every reply stays
+    exact while the index shrinks to nothing."""
+    tok, ref = load("qwen3"), reference("qwen3")
+    idx = fresh_index(tok, step=512)
+    base = "".join(corpus_texts[:3])[:9000]
+    check(tok, ref, base)
+    check(tok, ref, base[:2600] + "\nbranch")  # a hit on the head, then a new branch under it
+    check(tok, ref, base[:1200] + "\nshort")  # touches only the first nodes
+
+    def held_chains_intact():
+        for node in idx._nodes.values():
+            x = node.parent
+            while x is not None:
+                assert idx._nodes.get(x.key) is x, "a held node hangs from an evicted one"
+                x = x.parent
+
+    assert len(idx) >= 8
+    text = base + "\nmore"
+    while len(idx):
+        held_chains_intact()
+        hit = idx.lookup(text)  # (a lookup touches the chain it confirms)
+        if hit is not None:
+            assert np.concatenate(hit.parts).tolist() == ref.encode(text[:hit.cut], add_special_tokens=False).ids
+        idx.evict_oldest()
+    assert idx.nbytes == 0
+    check(tok, ref, text)
+
+
 def test_regions_bytes_accounting_and_multi_region_chains(corpus_texts):
     """A chain built by several inserts (one region each) is confirmed run by run, a hit may end inside a
     region, and ``nbytes`` is exactly the live nodes' bytes plus each region still pointed into once."""
