@@ -61,3 +61,27 @@ def corpus_texts() -> list[str]:
 def cases() -> list[dict]:
     lines = (SHARED / "cases" / "tokenizer_cases.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def chat_folder(tmp_path_factory):
+    """``chat_folder(name)`` -> a folder in the HF layout: ``tokenizer.json`` (a symlink to the shared file)
+    beside the model's real ``tokenizer_config.json`` with its chat template and special tokens
+    (``../shared/chat_templates/<name>/``)."""
+    from tests.chat.corpus import template_source
+
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            tok = SHARED / "tokenizers" / name / "tokenizer.json"
+            _, cfg = template_source(name)
+            if not tok.is_file() or not cfg.is_file():
+                pytest.fail(f"{tok} or {cfg} missing (tests need ../shared beside the repo, or TOKTIER_SHARED)")
+            d = tmp_path_factory.mktemp(f"chat_{name}")
+            (d / "tokenizer.json").symlink_to(tok)
+            (d / "tokenizer_config.json").symlink_to(cfg)
+            made[name] = d
+        return made[name]
+
+    return make

@@ -11,27 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.chat.corpus import SHARED, template_source
 
 
 @pytest.fixture(scope="session")
-def folder(tmp_path_factory):
-    """``folder(name)`` -> a folder with ``tokenizer.json`` (symlink) and the real ``tokenizer_config.json``."""
-    made: dict[str, Path] = {}
-
-    def make(name: str) -> Path:
-        if name not in made:
-            tok = SHARED / "tokenizers" / name / "tokenizer.json"
-            _, cfg = template_source(name)
-            if not tok.is_file() or not cfg.is_file():
-                pytest.fail(f"{tok} or {cfg} missing (tests need ../shared beside the repo, or TOKTIER_SHARED)")
-            d = tmp_path_factory.mktemp(f"chat_{name}")
-            (d / "tokenizer.json").symlink_to(tok)
-            (d / "tokenizer_config.json").symlink_to(cfg)
-            made[name] = d
-        return made[name]
-
-    return make
+def folder(chat_folder):
+    """``folder(name)`` -> ``chat_folder(name)`` (``tests/conftest.py``)."""
+    return chat_folder
 
 
 @lru_cache(maxsize=None)

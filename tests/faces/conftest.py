@@ -176,23 +176,3 @@ def faulty_core(tokenizer_path, tmp_path, **core_kwargs):
                    if s.name == name and want <= set(s.labels.items()))
 
     return core, value
-
-
-@pytest.fixture(scope="session")
-def chat_folder(tmp_path_factory):
-    """``chat_folder(name)`` -> a folder in the HF layout with the model's *real* ``tokenizer_config.json``
-    (``../shared/chat_templates/<name>/``, its chat template and special tokens) beside ``tokenizer.json``."""
-    made: dict[str, Path] = {}
-
-    def make(name: str) -> Path:
-        if name not in made:
-            cfg = SHARED / "chat_templates" / name / "tokenizer_config.json"
-            if not cfg.is_file():
-                pytest.fail(f"{cfg} missing (tests need ../shared beside the repo, or TOKTIER_SHARED)")
-            d = tmp_path_factory.mktemp(f"chat_{name}")
-            (d / "tokenizer.json").symlink_to(tokenizer_file(name))
-            (d / "tokenizer_config.json").symlink_to(cfg)
-            made[name] = d
-        return made[name]
-
-    return make

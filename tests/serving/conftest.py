@@ -141,24 +141,3 @@ def pytriton_face(tmp_path_factory):
     _start(server, tmp_path_factory)
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="session")
-def chat_folder(tmp_path_factory):
-    """``chat_folder(name)`` -> a folder in the HF layout: ``tokenizer.json`` (symlink to the shared file) and
-    the model's real ``tokenizer_config.json`` with its chat template (``../shared/chat_templates/<name>/``)."""
-    from tests.chat.corpus import template_source
-
-    made: dict[str, Path] = {}
-
-    def make(name: str) -> Path:
-        if name not in made:
-            tok = tokenizer_file(name)
-            _, cfg = template_source(name)
-            d = tmp_path_factory.mktemp(f"chat_{name}")
-            (d / "tokenizer.json").symlink_to(tok)
-            (d / "tokenizer_config.json").symlink_to(cfg)
-            made[name] = d
-        return made[name]
-
-    return make
