@@ -75,6 +75,34 @@ class IterForm:
     reverse: bool
 
 
+class Compiled:
+    """A jinja2 ``Template`` with a context builder that skips the template's ``ChainMap`` of globals.
+
+    ``new_context(variables)`` returns the context ``template.new_context(variables)`` returns (jinja2 3.1
+    ``runtime.new_context`` with ``shared=False``, no locals: ``Context(environment, dict(globals,
+    **variables), name, blocks, globals=globals)``), from a dict copy of the globals taken here. Equal
+    because the sandbox's globals are set when its environment is built (``template.sandbox_environment``)
+    and never changed after, and a template compiled from a node has no globals of its own. Iterating a
+    ``ChainMap`` runs in Python, key by key, twice per context (the parent dict and ``globals_keys``).
+    """
+
+    __slots__ = ("template", "root_render_func", "_globals", "_context_class", "_env", "_name", "_blocks")
+
+    def __init__(self, template):
+        self.template = template
+        self.root_render_func = template.root_render_func
+        self._globals = dict(template.globals)
+        self._env = template.environment
+        self._context_class = self._env.context_class
+        self._name = template.name
+        self._blocks = template.blocks
+
+    def new_context(self, variables: dict):
+        parent = self._globals.copy()
+        parent.update(variables)
+        return self._context_class(self._env, parent, self._name, self._blocks, globals=self._globals)
+
+
 @dataclass
 class LoopSegment:
     """A root loop over messages. ``forms`` holds one entry for a direct iterable, or the candidates of an
@@ -83,14 +111,14 @@ class LoopSegment:
     target: str
     alias: str | None
     forms: tuple[IterForm, ...]
-    body: object  # jinja2 Template of the (inlined) body
+    body: Compiled  # the (inlined) body
     free: frozenset[str]
     uses_messages: bool
 
 
 @dataclass
 class PlainSegment:
-    template: object  # jinja2 Template
+    template: Compiled
 
 
 @dataclass
@@ -170,7 +198,7 @@ def _plan(env, root) -> Plan:
 def _template(env, body):
     from jinja2 import nodes
 
-    return env.from_string(nodes.Template(body, lineno=1).set_environment(env))
+    return Compiled(env.from_string(nodes.Template(body, lineno=1).set_environment(env)))
 
 
 def _message_form(expr) -> IterForm | None:
@@ -284,7 +312,7 @@ def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
     alias = node.iter.name if isinstance(node.iter, nodes.Name) and node.iter.name != "messages" else None
     if alias is not None and alias in free:
         raise _NotIncremental(f"the loop body at {where} reads {alias!r} (O3: only messages is modelled)")
-    return LoopSegment(target=node.target.name, alias=alias, forms=forms, body=env.from_string(tmpl_node),
+    return LoopSegment(target=node.target.name, alias=alias, forms=forms, body=Compiled(env.from_string(tmpl_node)),
                        free=free, uses_messages=uses_messages)
 
 

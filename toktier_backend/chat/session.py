@@ -631,6 +631,7 @@ class ChatSession:
         self.reference = _t.ChatRenderer(template, special_tokens)
         self.plan = plan if plan is not None else analyze(template)
         self.trust_identity = trust_identity
+        self._order_seen: dict[tuple, bool] = {}  # order_observed per path (the plan's, fixed)
         self._full = full_renderer
         if self._full is None and fast_full:
             from toktier_backend.chat.fast import admit
@@ -839,7 +840,7 @@ class ChatSession:
         for i in range(k, len(messages)):
             sn = _t.plain(messages[i])
             snaps.append(sn)
-            chat.append(_t.prepare_message(sn))
+            chat.append(_t.prepare_plain(sn))
             for key, v in sn.items():
                 if type(v) is not str and self._needs_strict(v, (key,)):
                     pos.append(i)
@@ -879,8 +880,12 @@ class ChatSession:
         if t in (int, float, bool):
             return True
         if t is dict:
-            if len(v) > 1 and order_observed(self.plan.order_paths, path):
-                return True
+            if len(v) > 1:
+                seen = self._order_seen.get(path)
+                if seen is None:
+                    seen = self._order_seen[path] = order_observed(self.plan.order_paths, path)
+                if seen:
+                    return True
             return any(type(x) is not str and self._needs_strict(x, path + (k,)) for k, x in v.items())
         if t is list:
             return any(type(x) is not str and self._needs_strict(x, path + ("*",)) for x in v)

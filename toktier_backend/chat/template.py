@@ -172,8 +172,13 @@ def _compile(source: str):
 
 def plain(value: Any) -> Any:
     """Rebuild ``value`` from JSON types only (the template never sees other objects)."""
-    if value is None or type(value) in (str, int, float, bool):
+    t = type(value)
+    if value is None or t is str or t is int or t is float or t is bool:
         return value
+    if t is dict:  # exact types first: isinstance against the Mapping ABC is the slow test
+        return {plain(k): plain(v) for k, v in value.items()}
+    if t is list:
+        return [plain(v) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, bool):
@@ -263,7 +268,12 @@ def check_request(messages: Any, add_generation_prompt: bool, continue_final_mes
 def prepare_message(message: Mapping[str, Any]) -> dict:
     """The dict the template sees for one message: plain JSON types, ``None`` values dropped, reasoning
     copied to ``reasoning_content`` and ``thinking`` (as transformers does). A new dict every call."""
-    return _alias_reasoning({k: v for k, v in plain(message).items() if v is not None})
+    return prepare_plain(plain(message))
+
+
+def prepare_plain(message: dict) -> dict:
+    """:func:`prepare_message` of a message already rebuilt by :func:`plain` (not changed; a new dict)."""
+    return _alias_reasoning({k: v for k, v in message.items() if v is not None})
 
 
 def continue_message(message: dict) -> tuple[str, dict]:

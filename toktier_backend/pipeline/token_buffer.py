@@ -6,8 +6,9 @@ body (Llama 3: ``prefix = [<|begin_of_text|>]``). ``ends[i]`` is the end of body
 Memory: 8 bytes per token (4 for the id, 4 for the end) plus bounded headroom: a buffer grows to
 ``need + headroom(need)`` with ``headroom(n) = min(n // 16, GROW_MAX) + 16`` slots (not by doubling), and is
 shrunk when its slack passes ``2 * headroom``. So ids + ends take at most ``8 n + 2 * 8 * headroom(n)``
-bytes: <= 9 bytes per token, and <= 8 bytes per token + 64.25 KiB at any size. Growth copies the kept
-ids once per ``headroom`` new tokens (amortized O(16) per token up to 64K tokens, O(n / 4096) above).
+bytes: <= 9 bytes per token, and <= 8 bytes per token + 64.25 KiB at any size. Growth reallocates the
+arrays in place (``ndarray.resize``: no copy where the allocator can extend or remap the block) once per
+``headroom`` new tokens, and copies the kept ids instead only while a view holds the ids array (below).
 
 Replies are never changed later (copy-on-write): :meth:`TokenBuffer.ids` hands out read-only views of the
 ids array, and :meth:`TokenBuffer.splice` writes in place only where no live view can see a change. A view
@@ -131,15 +132,18 @@ class TokenBuffer:
         need = start + len(new_ids) + s
         have = len(self._ids)
         # slots a live view may show: none when only the buffer (and this call) hold the array
-        shown = self._shown if _refs(self) > _UNSHARED else 0
+        unshared = _refs(self) <= _UNSHARED
+        shown = 0 if unshared else self._shown
         room = headroom(need, self._grow_max)
         grow = need > have or have - need > 2 * room  # grow, or give back a truncation's slack
         cap = need + room if grow else have
         if grow and self._ends is not None:
-            ends = np.empty(cap, dtype=np.int32)
-            ends[:keep] = self._ends[:keep]
-            self._ends = ends
-        if grow or (shown > start and self._changes_shown(start, new_ids, min(shown, need))):
+            # the ends array is never handed out: resized in place (realloc keeps its first entries, and
+            # moves large blocks by remapping pages instead of copying them)
+            self._ends.resize(cap, refcheck=False)
+        if grow and unshared:
+            self._ids.resize(cap, refcheck=False)  # no view holds the array (its reference count says so)
+        elif grow or (shown > start and self._changes_shown(start, new_ids, min(shown, need))):
             ids = np.empty(cap, dtype=np.int32)
             ids[:start] = self._ids[:start]
             self._ids = ids  # the old array stays with its views, unchanged
