@@ -19,6 +19,9 @@ and ``add_generation_prompt=True``, as an agent resends it. Each request is an O
   previous one (the memory-bandwidth floor of any exact byte comparison). ``--reuse-objects``: no
   bytes; the previous list plus the new dicts, as an in-process caller would pass them, with
   ``ChatSession(trust_identity=True)``;
+- ``ours_delta``: the client sends only the new messages (Triton ``MODE=delta``): timed from their JSON
+  array's bytes: ``chat.wire.parse_messages``, ``ChatSession.render_more``, then the tokenizer session as
+  for ``ours``; nothing of the old conversation is sent, compared or parsed (a second warm session);
 - ``transformers``: ``apply_chat_template(tokenize=True)`` (``--hf-samples`` samples: it encodes the whole
   text with HF);
 - ``jinja2+gigatoken``: full render by the transformers-compatible jinja2 renderer, gigatoken encode;
@@ -56,8 +59,8 @@ A.ensure_repo_on_path()
 
 from tests.chat import corpus as C  # noqa: E402
 
-SYSTEMS = ("ours", "transformers", "jinja2+gigatoken", "minijinja+gigatoken")
-COLORS = {"ours": "tab:blue", "transformers": "tab:red", "jinja2+gigatoken": "tab:green",
+SYSTEMS = ("ours", "ours_delta", "transformers", "jinja2+gigatoken", "minijinja+gigatoken")
+COLORS = {"ours": "tab:blue", "ours_delta": "tab:purple", "transformers": "tab:red", "jinja2+gigatoken": "tab:green",
           "minijinja+gigatoken": "tab:orange"}
 CLIP = 1200
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
@@ -147,6 +150,12 @@ def requests(name, conv, start, samples, reuse: bool):
         prev = msgs
         out.append(msgs)
     return out, None
+
+
+def _dumps(value) -> bytes:
+    import orjson
+
+    return orjson.dumps(value)
 
 
 def _options(options: dict, value: dict) -> dict:
@@ -249,6 +258,28 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     stats["ours_append_share"] = extends / len(reqs)
     stats["ours_parse_reused_all_share"] = reused_all / len(reqs) if bodies is not None else None
     stats["ours_stages_p50"] = {k: A.percentile(v, 50) for k, v in stages.items() if v}
+
+    # ours_delta: a second warm session; each request's bytes are its 2 new messages only
+    from toktier_backend.chat.wire import parse_messages
+
+    chat_d = ChatSession(src, specials)
+    tok_d = load_tokenizer(str(tok_path)).session(add_special_tokens=False)
+    r = chat_d.render(first, **options)
+    tok_d.update(r.text)
+    ends = [start + 2 * (s + 1) for s in range(len(reqs))]
+    prev_end = len(first)
+    gc.collect()
+    for i, end in enumerate(ends):
+        raw = _dumps(conv[prev_end:end])  # untimed: what the client sends
+        prev_end = end
+        t0 = time.perf_counter_ns()
+        r = chat_d.render_more(parse_messages(raw), **options)
+        delta = r.delta
+        ids = tok_d.append(delta) if r.extends_previous else tok_d.splice(r.departure, delta)
+        times["ours_delta"].append((time.perf_counter_ns() - t0) / 1e6)
+        if r.text != texts[i] or not np.array_equal(np.asarray(ids, dtype=np.int64), want_ids[i]):
+            exact["ours_delta"] = False
+        del ids
 
     for i, msgs in enumerate(reqs):
         t0 = time.perf_counter_ns()

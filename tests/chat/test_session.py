@@ -196,6 +196,38 @@ def test_trust_identity(name, folder):
     assert check.chat.stats["iterations_reused"] > 0
 
 
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_render_more_equals_the_whole_conversation(name, folder):
+    """``render_more(new)``: only the messages after the previous request's are passed; the text equals
+    transformers' render of the whole conversation at every step (generation prompt on after a user/tool
+    message, off after the assistant's), the departure and delta describe the change from the previous
+    text, and the ids of the tokenizer session advanced by them equal ``tokenize=True``. A delta is refused
+    on a fresh session and after ``continue_final_message``; a refusal by the template leaves a session
+    that renders whole again."""
+    check = Checker(name, folder)
+    path = _files()[0]
+    conv = conversation(name, path)[:16]
+    options = {"tools": TOOLS} if name in TOOL_TEMPLATES else {}
+    with pytest.raises(InvalidRequest, match="previous request"):
+        check.chat.render_more(conv[:2], add_generation_prompt=True, **options)
+    check.step(conv[:2], add_generation_prompt=True, **options)
+    for i in range(3, len(conv) + 1):
+        agp = conv[i - 1]["role"] != "assistant"
+        want = check.reference(conv[:i], tokenize=False, add_generation_prompt=agp, **options)
+        r = check.chat.render_more([dict(conv[i - 1])], add_generation_prompt=agp, **options)
+        assert r.text == want, (name, i)
+        assert want[:r.departure] == check.prev[:r.departure] and r.delta == want[r.departure:]
+        got = check.tok.append(r.delta) if r.extends_previous else check.tok.splice(r.departure, r.delta)
+        assert got.tolist() == check.reference(conv[:i], tokenize=True, add_generation_prompt=agp, **options), i
+        check.prev = want
+    assert check.chat.stats["incremental"] == len(conv) - 1
+    j = max(i for i in range(1, len(conv) + 1) if conv[i - 1]["role"] == "assistant")
+    r = check.chat.render(conv[:j], continue_final_message=True, **options)
+    assert r.text == check.reference(conv[:j], tokenize=False, continue_final_message=True, **options)
+    with pytest.raises(InvalidRequest, match="previous request"):
+        check.chat.render_more([{"role": "user", "content": "more"}], add_generation_prompt=True, **options)
+
+
 def test_refusal_keeps_state(folder):
     """gemma3 refuses non-alternating roles (raise_exception): InvalidRequest, and the next request is
     still exact."""

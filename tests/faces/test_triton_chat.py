@@ -63,7 +63,7 @@ def test_bad_chat_tensors_are_refused_and_start_is_honoured(handler):
         ({"TEXT": _s(b"x"), "MESSAGES": _s(b"[]")}, "both 'TEXT' and 'MESSAGES'"),
         ({}, "exactly one of the inputs"),
         ({"MESSAGES": _s(b"{")}, "not JSON"),
-        ({"MESSAGES": _s(b"[]"), "MODE": _s(b"delta")}, "always carries the whole conversation"),
+        ({"MESSAGES": _s(b"[]"), "MODE": _s(b"delta")}, "resend the whole conversation with MODE=full"),
         ({"MESSAGES": _s(b"[]"), "CHAT_TEMPLATE_KWARGS": _s(b"[1]")}, "must be a JSON object"),
         ({"MESSAGES": _s(b"[]"), "CHAT_TEMPLATE_KWARGS": _s(b'{"continue_final_message": "yes"}')}, "boolean"),
     ]:

@@ -116,6 +116,53 @@ def test_keyed_raw_bodies_parse_from_the_first_changed_message(chat_folder, tmp_
     assert entry.chat_nbytes >= len(raw)  # the loader's kept body is charged
 
 
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
+def test_delta_of_messages_extends_the_previous_request(chat_folder, tmp_path, name):
+    """``mode="delta"``: the first request carries the conversation, each later one only the messages after
+    the previous request's (as bytes, Triton's ``MODE=delta`` + ``MESSAGES``). Every reply equals the
+    reference of the whole conversation so far; the verifier (every reply sampled) agrees; a full request
+    after deltas is still exact."""
+    folder = chat_folder(name)
+    tok = tt.load_tokenizer(str(folder / "tokenizer.json"))
+    verifier = Verifier(tok, rate=1.0, first_n=0, cpu_share=1.0, quarantine_file=tmp_path / "q.json")
+    core, value = _core(folder, tmp_path, tokenizer=tok, verifier=verifier)
+    conv, options = _trajectory(name)
+    r = core.chat(ORIGIN, json.dumps(conv[:3]).encode(), key="d", add_generation_prompt=True, **options)
+    assert r.ids.tolist() == _want(folder, name, conv[:3], add_generation_prompt=True, **options)[1]
+    for i in range(3, len(conv) - 1, 2):
+        raw = json.dumps(conv[i:i + 2]).encode()
+        r = core.chat(ORIGIN, raw, key="d", mode="delta", add_generation_prompt=True, **options)
+        assert r.ids.tolist() == _want(folder, name, conv[:i + 2], add_generation_prompt=True, **options)[1], i
+        assert r.render == "incremental" and r.shown_route in ("append", "edit"), (i, r.render, r.shown_route)
+    n = i + 2
+    r = core.chat(ORIGIN, json.dumps(conv[:n] + conv[n:n + 1]).encode(), key="d", add_generation_prompt=True,
+                  **options)
+    assert r.ids.tolist() == _want(folder, name, conv[:n + 1], add_generation_prompt=True, **options)[1]
+    assert verifier.drain() and verifier.samples >= len(conv) // 2 and verifier.mismatches == 0
+    verifier.close()
+
+
+def test_delta_of_messages_without_a_held_conversation_is_refused(chat_folder, tmp_path):
+    """A delta needs the key's previous chat request: no key, an unknown key, or a key whose last step was a
+    text request are refused with what to do instead; the held session still answers exactly."""
+    name = "llama3_1"
+    folder = chat_folder(name)
+    core, _ = _core(folder, tmp_path)
+    conv, options = _trajectory(name, 6)
+    one = json.dumps(conv[4:5]).encode()
+    for key in (None, "unknown"):
+        with pytest.raises(InvalidRequest, match="MODE=full|whole conversation"):
+            core.chat(ORIGIN, one, key=key, mode="delta", add_generation_prompt=True)
+    core.encode(ORIGIN, "plain text", key="t")
+    with pytest.raises(InvalidRequest, match="MODE=full"):
+        core.chat(ORIGIN, one, key="t", mode="delta", add_generation_prompt=True)
+    core.chat(ORIGIN, json.dumps(conv[:4]).encode(), key="k", add_generation_prompt=True)
+    with pytest.raises(InvalidRequest, match="MODE"):
+        core.chat(ORIGIN, one, key="k", mode="sideways", add_generation_prompt=True)
+    r = core.chat(ORIGIN, one, key="k", mode="delta", add_generation_prompt=True)
+    assert r.ids.tolist() == _want(folder, name, conv[:5], add_generation_prompt=True)[1]
+
+
 def test_raw_bodies_refused_with_what_is_wrong(chat_folder, tmp_path):
     """Malformed ``MESSAGES`` bytes, keyed or not, new or on a held conversation: InvalidRequest naming the
     problem, and the held conversation still answers exactly afterwards."""

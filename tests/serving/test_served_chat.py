@@ -108,6 +108,29 @@ def test_messages_turn_by_turn_equal_transformers(chat_server, protocol):
                                           tools=TOOLS)
 
 
+def test_delta_of_messages_turn_by_turn(chat_server):
+    """``MODE=delta``: START carries the first messages, each later request only the messages after the
+    previous request's, ``REPLY=patch``. The client's ids (kept + patch) equal transformers + HF tokenizers
+    on the whole conversation each turn."""
+    import tritonclient.grpc as mod
+
+    client = mod.InferenceServerClient(chat_server.grpc_url)
+    conv = _conv()
+    kw = {"tools": TOOLS}
+    r = client.infer("toktier_session", _chat_inputs(mod, conv[:3], agp=True, kwargs=kw),
+                     sequence_id="delta-1", sequence_start=True)
+    full = r.as_numpy("INPUT_ID").reshape(-1).tolist()
+    assert full == _want(chat_server.folder, conv[:3], add_generation_prompt=True, tools=TOOLS)
+    for i in range(3, len(conv) - 1, 2):
+        r = client.infer("toktier_session", _chat_inputs(mod, conv[i:i + 2], agp=True, kwargs=kw, mode="delta",
+                                                         reply="patch"),
+                         sequence_id="delta-1", sequence_end=i + 3 >= len(conv))
+        keep = int(r.as_numpy("KEEP").reshape(-1)[0])
+        full = full[:keep] + r.as_numpy("INPUT_ID").reshape(-1).tolist()
+        assert full == _want(chat_server.folder, conv[:i + 2], add_generation_prompt=True, tools=TOOLS), i
+        assert keep > 0
+
+
 def test_enable_thinking_and_continue_final_message(chat_server):
     import tritonclient.grpc as mod
 
@@ -129,7 +152,7 @@ def test_enable_thinking_and_continue_final_message(chat_server):
     ("neither", "exactly one of the inputs"),
     ("not_json", "not JSON"),
     ("not_array", "JSON array of message objects"),
-    ("delta", "never a delta|omit MODE"),
+    ("delta", "resend the whole conversation with MODE=full"),
     ("element", "element 1 is a int"),
     ("refused", "the chat template (refused|failed on) the request"),
 ])

@@ -754,6 +754,47 @@ class ChatSession:
             loader.reset()  # the session forgot its state: the next same_prefix must not refer to it
             raise
 
+    @property
+    def messages(self) -> list:
+        """The last request's messages: the caller's objects where the session keeps them (``same_prefix``,
+        ``trust_identity``, :meth:`render_more`), else its own plain snapshots. Changed in place by the next
+        request: copy what must outlive it."""
+        return self._raw if self._raw is not None else self._snaps
+
+    def render_more(self, new_messages: list[Mapping[str, Any]], **options: Any) -> ChatRender:
+        """Render the previous request's messages followed by ``new_messages``: the client sends only the
+        messages after its previous request's (Triton ``MODE=delta`` with ``MESSAGES``). Same text as
+        :meth:`render` of the whole list; nothing before the new messages is compared or copied.
+
+        The session's list of the caller's objects (``_raw``, made once from its own snapshots when the
+        previous request kept none) is extended in place and rendered with ``same_prefix`` = its old length:
+        sound because every object in it equals the snapshot at its position (invariant of ``_raw``).
+
+        Args:
+            new_messages: message dicts (parsed JSON); shared with later requests, must not be mutated.
+            options: as :meth:`render`.
+
+        Raises:
+            InvalidRequest: no previous request to extend (none rendered, it failed, or it ended inside its
+            final message with ``continue_final_message``), malformed messages, or the template refused
+            them (then as :meth:`render`).
+        """
+        if type(new_messages) is not list:
+            raise InvalidRequest(f"messages must be a list of message objects, got {type(new_messages).__name__}")
+        snaps = self._snaps
+        if not snaps or snaps[-1] is _NEVER:
+            raise InvalidRequest(
+                "a delta of messages needs the conversation's previous request: none is held (first request, "
+                "a failed one, or one with continue_final_message); send the whole conversation")
+        if self._raw is None:
+            self._raw = list(snaps)  # O(messages) once: the session's own copies, equal to the snapshots
+        raw = self._raw
+        n = len(raw)
+        if self._body is not None:
+            self._body.reset()  # its kept bytes no longer describe the messages
+        raw.extend(new_messages)
+        return self.render(raw, same_prefix=n, **options)  # (a failure forgets the kept lists, raw with them)
+
     def _render(self, messages, tools, documents, add_generation_prompt, continue_final_message, same_prefix,
                 keep, kwargs) -> ChatRender:
         k, snaps, chat = self._diff(messages, same_prefix, keep)
@@ -852,7 +893,7 @@ class ChatSession:
             self._raw = None
         elif raw is None:
             self._raw = list(messages)  # O(messages) once, when a caller starts passing same_prefix
-        else:
+        elif raw is not messages:  # (render_more passes the kept list itself, already extended)
             del raw[k:]
             raw.extend(messages[k:])
         return k, snaps, chat

@@ -205,8 +205,9 @@ class Handler:
     def handle_chat(
         self,
         corr_id: CorrelationId,
-        messages: list,
+        messages: list | bytes,
         *,
+        mode: str | bytes | None = None,
         reply: str | bytes | None = None,
         add_special: bool | None = None,
         add_generation_prompt: bool = False,
@@ -219,7 +220,8 @@ class Handler:
     ) -> dict[str, np.ndarray]:
         """One chat request of a sequence (:meth:`ServingCore.chat`, keyed by the correlation ID, waiting for
         the sequence's previous request): the conversation rendered with the model's chat template
-        (incrementally, from the sequence's previous request), then encoded.
+        (incrementally, from the sequence's previous request), then encoded. ``mode="delta"``: ``messages``
+        are the messages after the sequence's previous request's (``ServingCore.chat``).
 
         Returns:
             as :meth:`handle_session`; the ids equal HF ``Tokenizer.encode(text, add_special_tokens=flag).ids``
@@ -228,12 +230,12 @@ class Handler:
 
         Raises:
             InvalidRequest: no chat template, malformed messages, the template refused them, the prompt is
-                over ``max_text_bytes``. The session is unchanged.
+                over ``max_text_bytes``, a delta with no previous chat request held. The session is unchanged.
         """
         r = self.core.chat(self.session_origin, messages, key=corr_id, tools=tools, documents=documents,
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                            chat_template_kwargs=chat_template_kwargs, add_special_tokens=bool(add_special),
-                           reply=reply, start=start, end=end, wait=True)
+                           reply=reply, start=start, end=end, wait=True, mode=mode)
         return {
             "INPUT_ID": r.ids,
             "REQUEST_INPUT_LEN": np.array([r.n], dtype=np.int32),

@@ -156,23 +156,16 @@ def chat_args(inputs: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
     ``apply_chat_template``); ``CHAT_TEMPLATE_KWARGS``: JSON object whose ``tools``, ``documents``,
     ``continue_final_message`` are the render's options and whose other keys are template variables
     (``enable_thinking``, ...); ``ADD_SPECIAL_TOKENS``: default false (the template writes the special
-    tokens); ``REPLY``: as for a text; ``MODE``: absent or ``full`` (the messages are the whole conversation).
+    tokens); ``REPLY``: as for a text; ``MODE``: absent or ``full`` (the messages are the whole conversation),
+    or ``delta`` (the messages after the sequence's previous request's; checked by the core).
 
     Raises:
-        InvalidRequest: ``TEXT`` sent too, ``MODE='delta'``, bad JSON, or bad flags.
+        InvalidRequest: ``TEXT`` sent too, bad JSON, or bad flags.
     """
     if inputs.get("TEXT") is not None:
         raise InvalidRequest(
             "the request carries both 'TEXT' and 'MESSAGES'; send exactly one: TEXT for a text, MESSAGES for a "
             "chat conversation (rendered with the model's chat template)."
-        )
-    mode = scalar(inputs, "MODE")
-    if isinstance(mode, bytes):
-        mode = mode.decode("utf-8", "replace")
-    if mode not in (None, "") and str(mode).strip().lower() != "full":
-        raise InvalidRequest(
-            f"MODE={mode!r} with MESSAGES: a chat request always carries the whole conversation (the server finds "
-            f"what changed); omit MODE or send 'full'."
         )
     kwargs = _json_object(inputs, "CHAT_TEMPLATE_KWARGS")
     options = {k: kwargs.pop(k) for k in CHAT_OPTION_KEYS if k in kwargs}
@@ -181,6 +174,7 @@ def chat_args(inputs: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
         raise InvalidRequest(f"CHAT_TEMPLATE_KWARGS continue_final_message must be a boolean, got {cont!r}.")
     return {
         "messages": messages_bytes(scalar(inputs, "MESSAGES")),
+        "mode": scalar(inputs, "MODE"),
         "reply": scalar(inputs, "REPLY"),
         "add_special": _flag(inputs, "ADD_SPECIAL_TOKENS"),
         "add_generation_prompt": bool(_flag(inputs, "ADD_GENERATION_PROMPT")),

@@ -684,6 +684,7 @@ class ServingCore:
         start: bool = False,
         end: bool = False,
         wait: bool = False,
+        mode: str | bytes | None = None,
     ) -> Reply:
         """Ids of a chat request: ``messages`` rendered with the core's chat template, then encoded, as
         transformers' ``apply_chat_template(messages, tokenize=True, ...)`` does.
@@ -717,6 +718,10 @@ class ServingCore:
             end: free the session of ``key`` after this request, even if it fails.
             wait: a keyed session in use by another request is waited for (Triton's sequence order);
                 ``False``: that request is rendered in full and encoded without a session (``busy``).
+            mode: ``"full"`` (default): ``messages`` is the whole conversation. ``"delta"`` (keyed only):
+                ``messages`` are the messages after the previous request's, which the conversation's chat
+                session still holds (:meth:`ChatSession.render_more`): O(new messages) from the wire on,
+                nothing of the old conversation is compared.
 
         Returns:
             :class:`Reply`; ``render`` is the render route (``incremental`` or ``full:<reason>``,
@@ -726,8 +731,9 @@ class ServingCore:
 
         Raises:
             InvalidRequest: the core has no chat template, malformed messages or options, the template
-                refused the request, or the rendered text is over ``max_text_bytes`` or not encodable. A
-                held session is left as it was (its renderer may have advanced: the next request then
+                refused the request, or the rendered text is over ``max_text_bytes`` or not encodable;
+                ``mode="delta"`` without a key, or with no previous chat request of the key held (none, ended,
+                evicted, failed, busy, or rendered in full while quarantined). A held session is left as it was (its renderer may have advanced: the next request then
                 updates the tokenizer session from the whole text).
         """
         t0 = time.perf_counter()
@@ -741,8 +747,12 @@ class ServingCore:
             if start and key is not None and self.store.get(key, touch=False) is not None:
                 self.store.pop(key, "start")
             reply = _choice("REPLY", reply, REPLIES)
+            delta = _choice("MODE", mode, MODES) == "delta"
             if key is not None:
                 _check_key(key)
+            elif delta:
+                raise InvalidRequest("a delta of messages (MODE=delta) needs a session key (a correlation ID): "
+                                     "send the whole conversation instead")
             tpl = self.chat_template
             if tpl is None:
                 raise InvalidRequest(
@@ -756,7 +766,8 @@ class ServingCore:
             if key is None and isinstance(messages, (bytes, bytearray, memoryview)):
                 messages = parse_messages(messages)  # no conversation to compare the bytes with
             if key is not None:
-                out = self._chat_keyed(origin, tpl, key, messages, options, flag, reply, wait, quarantined, t0)
+                out = self._chat_keyed(origin, tpl, key, messages, options, flag, reply, wait, quarantined, t0,
+                                       delta)
             else:
                 out = self._chat_unkeyed(origin, tpl, messages, options, flag, reply, quarantined, t0)
         except Exception as e:
@@ -772,10 +783,12 @@ class ServingCore:
         return out
 
     def _chat_keyed(self, origin: Origin, tpl: "ChatTemplate", key: Key, messages, options: dict, flag: bool,
-                    reply: str, wait: bool, quarantined: bool, t0: float) -> Reply:
+                    reply: str, wait: bool, quarantined: bool, t0: float, delta: bool = False) -> Reply:
         self.store.expire()
         while True:
             entry = self.store.get(key)
+            if delta and (entry is None or entry.add_special_tokens != flag):
+                raise InvalidRequest(_NO_DELTA_BASE + " (no chat session is held for this key)")
             if entry is None or entry.add_special_tokens != flag:
                 # held only once its first request succeeded: a failed one leaves the store as it was
                 new = SessionEntry(self.tokenizer.session(add_special_tokens=flag), flag, 0, self.store.now())
@@ -783,12 +796,15 @@ class ServingCore:
                     return self._chat_run(origin, tpl, key, new, messages, options, reply, quarantined, t0,
                                           fresh=True)
             if not entry.lock.acquire(blocking=wait):
+                if delta:
+                    raise InvalidRequest(_NO_DELTA_BASE + " (the session is in use by another request)")
                 return self._chat_stateless(origin, tpl, _parsed(messages), options, flag, t0,
                                             "quarantined" if quarantined else "busy")
             try:
                 if not self.store.holds(key, entry):
                     continue  # ended, evicted or replaced while this request waited: look again
-                return self._chat_run(origin, tpl, key, entry, messages, options, reply, quarantined, t0)
+                return self._chat_run(origin, tpl, key, entry, messages, options, reply, quarantined, t0,
+                                      delta=delta)
             finally:
                 entry.lock.release()
 
@@ -842,13 +858,26 @@ class ServingCore:
 
     def _chat_run(self, origin: Origin, tpl: "ChatTemplate", key: Key, entry: SessionEntry, messages, options: dict,
                   reply: str, quarantined: bool, t0: float, *, fresh: bool = False,
-                  fingerprint: Hashable | None = None) -> Reply:
+                  fingerprint: Hashable | None = None, delta: bool = False) -> Reply:
         """Render (incrementally, or in full while quarantined), advance the tokenizer session on the pool at
-        REPAIR priority, hold and charge the entry, sample, count. The caller holds ``entry.lock``."""
+        REPAIR priority, hold and charge the entry, sample, count. The caller holds ``entry.lock``.
+        ``delta``: ``messages`` follow the messages of the chat session's previous request."""
         synced = entry.chat is not None and entry.chat_synced == entry.requests
         body_bytes = len(messages) if isinstance(messages, (bytes, bytearray, memoryview)) else 0
+        if delta:
+            if entry.chat is None or getattr(entry.chat, "template", None) is not tpl:
+                raise InvalidRequest(_NO_DELTA_BASE + " (its previous request was not rendered by this session)")
+            messages = _parsed(messages)
+            body_bytes = 0
         entry.chat_synced = -1  # until this step has succeeded (a failed render or encode breaks the pairing)
-        if quarantined:
+        if delta:
+            chat = entry.chat
+            render = chat.render_more(messages, **options)
+            messages = chat.messages
+            if quarantined:  # the kept messages are still exact; the text comes from the full render
+                render = _FullRender(tpl.full_renderer().render(messages, **options), "full:quarantined")
+                chat, synced = None, False
+        elif quarantined:
             messages = _parsed(messages)
             render = _FullRender(tpl.full_renderer().render(messages, **options), "full:quarantined")
             chat = None  # its records no longer describe the session's text: dropped, rebuilt when released
@@ -1292,6 +1321,10 @@ def _chat_options(tools, documents, add_generation_prompt, continue_final_messag
         raise InvalidRequest(f"chat_template_kwargs may not set {bad!r}: send them as the request's own fields")
     return {**kwargs, "tools": tools, "documents": documents, "add_generation_prompt": bool(add_generation_prompt),
             "continue_final_message": bool(continue_final_message)}
+
+
+_NO_DELTA_BASE = ("MODE=delta with MESSAGES needs the conversation's previous chat request, and this server holds "
+                  "none to extend: resend the whole conversation with MODE=full")
 
 
 def _parsed(messages):
