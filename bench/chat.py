@@ -4,8 +4,9 @@ For each template and size, a conversation is built from the SWE-agent corpus (`
 function-calling trajectories with tool calls, tool results and reasoning for the tool templates; tool
 results as user turns for the others; gemma3's roles merged to alternate), each message's content clipped
 to 1,200 chars, until the size is reached. Then ``--samples`` turns of 2 new messages (~1.5K chars: the
-assistant's reply and the next observation) are requested one after another, each with the whole history
-and ``add_generation_prompt=True``, as an agent resends it. Each request is an OpenAI-style JSON body
+assistant's reply and the next observation; the same messages at every size, for gemma3 before its roles
+are merged) are requested one after another, each with the whole history and ``add_generation_prompt=True``,
+as an agent resends it. Each request is an OpenAI-style JSON body
 (``{"model", "messages", "tools"}``, bytes built untimed). Systems, each on all samples in turn:
 
 - ``ours``: timed from the body's bytes: ``chat.wire.IncrementalBody.load`` (parses only the bytes from the
@@ -77,8 +78,10 @@ def _clip(m: dict) -> dict:
 
 
 def conversation(name: str, size: int, samples: int) -> tuple[list[dict], int]:
-    """(messages, index where the timed turns start): about ``size`` chars of content before it, then
-    ``2 * samples`` more messages."""
+    """(messages, index where the timed turns start): about ``size`` chars of content before it, ending at
+    an observation, then ``2 * samples`` more messages. The timed messages are the same at every size (the
+    pool's first ``2 * samples`` messages from its first assistant reply on), so that the sizes differ by the
+    context only, not by what the timed turns hold."""
     tools = name in C.TOOL_TEMPLATES
     files = C.trajectories()
     chosen = [f for f in files if "function_calling" in f.name] if tools else files
@@ -86,17 +89,17 @@ def conversation(name: str, size: int, samples: int) -> tuple[list[dict], int]:
     pool = []
     for f in chosen:
         pool += [_clip(m) for m in C.messages(f, tools=tools)[2:]]
+    first = next(j for j, m in enumerate(pool) if m["role"] == "assistant")
+    timed = [dict(m) for m in pool[first:first + 2 * samples + 1]]
     conv = list(head)
     total, i = 0, 0
-    while total < size:
+    while total < size or conv[-1]["role"] == "assistant":
         m = pool[i % len(pool)]
         conv.append(m)
         total += len(m["content"])
         i += 1
     start = len(conv)
-    while len(conv) < start + 2 * samples + 1:
-        conv.append(pool[i % len(pool)])
-        i += 1
+    conv += timed
     if name == "gemma3":
         conv = C.alternating(conv)
         start = min(start, len(conv) - 2 * samples - 1)

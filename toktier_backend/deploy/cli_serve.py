@@ -113,6 +113,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replies always checked per tokenizer/engine build (default 32)")
     p.add_argument("--verifier-debug", action="store_true", help="log the differing text of a mismatch (default redacted)")
     p.add_argument("--quarantine-file", default=None, help="quarantine file shared by the instances (see toktier quarantine)")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template of MESSAGES requests to toktier_session: a .jinja file, or a .json holding "
+                        "chat_template (default: the one beside the tokenizer, if any)")
     p.add_argument("--pytriton", action="store_true", help="serve the same handler through PyTriton instead")
     p.add_argument("--tritonserver", default=None, help="another tritonserver binary with its own Python backend")
     p.add_argument("--encode-gpu-instances", type=int, default=0,
@@ -130,6 +133,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from toktier_backend.deploy.server import serve
+
+    if args.chat_template is not None:
+        from toktier_backend.chat.template import load_chat_template
+        from toktier_backend.errors import ToktierError
+
+        try:  # refused here, with the file's name, rather than by every model instance at load
+            load_chat_template(None, _template_file(args.chat_template))
+        except (ToktierError, OSError) as e:
+            print(f"toktier serve: --chat-template {args.chat_template}: {e}", file=sys.stderr)
+            return 2
 
     return serve(
         args.tokenizer,
@@ -162,10 +175,18 @@ def _parameters(args: argparse.Namespace) -> dict[str, str]:
         ("gpu_engine", args.gpu_engine),
         ("gpu_crossover_chars", args.gpu_crossover_chars),
         ("gpu_max_queue", args.gpu_max_queue),
+        ("chat_template", _template_file(args.chat_template) if args.chat_template else None),
     ):
         if value is not None:
             out[key] = str(value)
     return out
+
+
+def _template_file(path: str) -> str:
+    """The absolute path of a template file (the models load it from the server's working directory)."""
+    from pathlib import Path
+
+    return str(Path(path).expanduser().resolve())
 
 
 def main(argv: list[str] | None = None) -> int:

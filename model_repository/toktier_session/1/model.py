@@ -2,10 +2,12 @@
 
 Inputs (batch dimension first, one element per request; exactly one of TEXT and MESSAGES):
     TEXT               TYPE_STRING [1]  UTF-8: the whole text (MODE=full) or the appended text (MODE=delta)
-    MODE               TYPE_STRING [1]  optional, "full" (default) | "delta" (TEXT only)
+    MODE               TYPE_STRING [1]  optional, "full" (default) | "delta" (TEXT: the appended text;
+                                    MESSAGES: the messages after the previous request's)
     REPLY              TYPE_STRING [1]  optional, "full" (default) | "patch"
     ADD_SPECIAL_TOKENS TYPE_BOOL   [1]  optional, default true for TEXT, false for MESSAGES
-    MESSAGES           TYPE_STRING [1]  optional, UTF-8 JSON array of chat messages (the whole conversation)
+    MESSAGES           TYPE_STRING [1]  optional, UTF-8 JSON array of chat messages (the whole conversation,
+                                    or with MODE=delta the new ones)
     ADD_GENERATION_PROMPT TYPE_BOOL [1] optional, default false (MESSAGES only)
     CHAT_TEMPLATE_KWARGS TYPE_STRING [1] optional, JSON object: tools, documents, continue_final_message,
                                     template variables (MESSAGES only)
