@@ -43,6 +43,23 @@ def chat_server(tmp_path_factory, chat_folder):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def pytriton_chat(tmp_path_factory, chat_folder):
+    """The same handler through PyTriton on the qwen3 folder, every reply verified."""
+    _need_serving_deps()
+    from toktier_backend.deploy.server import PyTritonServer
+
+    folder = chat_folder(NAME)
+    tmp = tmp_path_factory.mktemp("chat_pytriton")
+    server = PyTritonServer(str(folder), http_port=0, grpc_port=0, metrics_port=0, session_idle_s=60,
+                            log_path=tmp / "tritonserver.log",
+                            parameters={"quarantine_file": str(tmp / "quarantine.json"), "verifier_rate": "1.0"})
+    server.folder = folder
+    _start(server, tmp_path_factory)
+    yield server
+    server.stop()
+
+
 def _chat_inputs(mod, messages=None, *, agp=None, kwargs=None, text=None, mode=None, reply=None, raw=None):
     def t(name, value, dtype):
         x = mod.InferInput(name, [1, 1], dtype)
@@ -129,6 +146,28 @@ def test_delta_of_messages_turn_by_turn(chat_server):
         full = full[:keep] + r.as_numpy("INPUT_ID").reshape(-1).tolist()
         assert full == _want(chat_server.folder, conv[:i + 2], add_generation_prompt=True, tools=TOOLS), i
         assert keep > 0
+
+
+def test_pytriton_messages_full_then_delta(pytriton_chat):
+    """The PyTriton face takes the same chat inputs (keyed by the ``session_id`` parameter): whole
+    conversations, then deltas of messages; every reply equals transformers + HF tokenizers."""
+    import tritonclient.grpc as mod
+
+    client = mod.InferenceServerClient(pytriton_chat.grpc_url)
+    conv = _conv()
+    kw = {"tools": TOOLS}
+    for i in range(2, len(conv) + 1, 2):
+        delta = i > 6
+        msgs = conv[i - 2:i] if delta else conv[:i]
+        r = client.infer("toktier_session", _chat_inputs(mod, msgs, agp=True, kwargs=kw,
+                                                         mode="delta" if delta else None),
+                         parameters={"session_id": "py-chat", "session_start": i == 2})
+        ids = r.as_numpy("INPUT_ID").reshape(-1).tolist()
+        assert ids == _want(pytriton_chat.folder, conv[:i], add_generation_prompt=True, tools=TOOLS), i
+    handler = pytriton_chat.handler
+    assert handler.core.verifier.drain() and handler.core.verifier.mismatches == 0
+    assert handler.core.verifier.samples >= 1
+    client.close()
 
 
 def test_enable_thinking_and_continue_final_message(chat_server):

@@ -151,11 +151,14 @@ def create(
     triton.bind(
         model_name="toktier_session",
         infer_func=session_infer(handler),
-        inputs=[
-            text,
+        inputs=[  # as model_repository/toktier_session: exactly one of TEXT and MESSAGES (checked by the handler)
+            Tensor(name="TEXT", dtype=bytes, shape=(1,), optional=True),
             Tensor(name="MODE", dtype=bytes, shape=(1,), optional=True),
             Tensor(name="REPLY", dtype=bytes, shape=(1,), optional=True),
             add_special,
+            Tensor(name="MESSAGES", dtype=bytes, shape=(1,), optional=True),
+            Tensor(name="ADD_GENERATION_PROMPT", dtype=np.bool_, shape=(1,), optional=True),
+            Tensor(name="CHAT_TEMPLATE_KWARGS", dtype=bytes, shape=(1,), optional=True),
         ],
         outputs=[
             Tensor(name="INPUT_ID", dtype=np.int32, shape=(-1,)),
