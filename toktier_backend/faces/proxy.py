@@ -38,6 +38,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 
+import numpy as np
+
 from toktier_backend import jsonio
 from toktier_backend.chat.template import load_chat_template
 from toktier_backend.config import special_tokens, stop_on_signals
@@ -144,14 +146,15 @@ class TokenProxy:
                 return f"b:{v}"
         return None
 
-    def _encode(self, origin: Origin, text: str, key: str | None, flag: bool) -> tuple[list[int], dict[str, str]]:
+    def _encode(self, origin: Origin, text: str, key: str | None, flag: bool) -> tuple[np.ndarray, dict[str, str]]:
         r = self.core.encode(origin, text, key=key, add_special_tokens=flag, what="prompt")
         info = {"X-Toktier-Route": r.shown_route, "X-Toktier-Reused": str(r.keep),
                 "X-Toktier-Prompt-Tokens": str(r.n), "X-Toktier-Session": r.session or "none"}
-        return r.ids.tolist(), info
+        return r.ids, info  # (never changed by a later call; written out by jsonio.dumps)
 
     def completion_body(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
-        """``/v1/completions`` body -> (forwarded body with token-ID ``prompt``, ``X-Toktier-*`` headers)."""
+        """``/v1/completions`` body -> (forwarded body with token-ID ``prompt``, ``X-Toktier-*`` headers).
+        A prompt the proxy encoded is an ``int32`` array (or a list of them): :func:`jsonio.dumps` writes it."""
         out = {k: v for k, v in body.items() if k not in SESSION_BODY_FIELDS and k != "add_special_tokens"}
         flag = body.get("add_special_tokens", True)
         if not isinstance(flag, bool):
@@ -163,7 +166,7 @@ class TokenProxy:
         if _is_ids(prompt) or (isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt)):
             return out, {"X-Toktier-Route": "passthrough", "X-Toktier-Session": "none"}
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            rows = [self.core.encode(self.completions_origin, p, add_special_tokens=flag, what="prompt").ids.tolist()
+            rows = [self.core.encode(self.completions_origin, p, add_special_tokens=flag, what="prompt").ids
                     for p in prompt]
             out["prompt"] = rows
             return out, {"X-Toktier-Route": "batch", "X-Toktier-Prompt-Tokens": ",".join(str(len(r)) for r in rows),
@@ -171,7 +174,8 @@ class TokenProxy:
         raise ProxyError(400, "prompt must be a string, a list of strings, token IDs, or a list of token-ID lists")
 
     def chat_body(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
-        """``/v1/chat/completions`` body -> (``/v1/completions`` body with token-ID ``prompt``, headers)."""
+        """``/v1/chat/completions`` body -> (``/v1/completions`` body with token-ID ``prompt``, an ``int32``
+        array written by :func:`jsonio.dumps`; headers)."""
         if self.core.chat_template is None:
             raise ProxyError(400, "this proxy has no chat template: start it with --chat-template FILE, or serve a "
                                   "tokenizer folder with tokenizer_config.json / chat_template.jinja")
@@ -194,7 +198,7 @@ class TokenProxy:
             chat_template_kwargs=kwargs,
             add_special_tokens=flag,
         )
-        ids = r.ids.tolist()
+        ids = r.ids  # int32 array, never changed by a later call; written out by jsonio.dumps
         info = {"X-Toktier-Route": r.shown_route, "X-Toktier-Reused": str(r.keep),
                 "X-Toktier-Prompt-Tokens": str(r.n), "X-Toktier-Session": r.session or "none",
                 "X-Toktier-Render": r.render or ""}
@@ -331,7 +335,7 @@ class _Handler(BaseHTTPRequestHandler):
                 fwd, info = (self.proxy.chat_body if chat else self.proxy.completion_body)(body, self._headers())
             except ToktierError as e:
                 raise ProxyError(400, f"{type(e).__name__}: {e}") from e
-            resp = self.proxy.open_upstream("POST", "/v1/completions", json.dumps(fwd).encode(), self._fwd_headers())
+            resp = self.proxy.open_upstream("POST", "/v1/completions", jsonio.dumps(fwd), self._fwd_headers())
             self._relay(resp, info, chat=chat, stream=bool(body.get("stream")))
         except ProxyError as e:
             self._send_error(e)
