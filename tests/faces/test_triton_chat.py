@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 import toktier_backend as tt
 from toktier_backend.chat.template import load_chat_template, special_tokens
-from toktier_backend.errors import InvalidRequest
+from toktier_backend.errors import InvalidRequest, UnknownSession
 from toktier_backend.faces.triton import Handler
 from toktier_backend.serving.core import ServingCore
 from toktier_backend.serving.metrics import Metrics
@@ -63,7 +63,6 @@ def test_bad_chat_tensors_are_refused_and_start_is_honoured(handler):
         ({"TEXT": _s(b"x"), "MESSAGES": _s(b"[]")}, "both 'TEXT' and 'MESSAGES'"),
         ({}, "exactly one of the inputs"),
         ({"MESSAGES": _s(b"{")}, "not JSON"),
-        ({"MESSAGES": _s(b"[]"), "MODE": _s(b"delta")}, "resend the whole conversation with MODE=full"),
         ({"MESSAGES": _s(b"[]"), "CHAT_TEMPLATE_KWARGS": _s(b"[1]")}, "must be a JSON object"),
         ({"MESSAGES": _s(b"[]"), "CHAT_TEMPLATE_KWARGS": _s(b'{"continue_final_message": "yes"}')}, "boolean"),
     ]:
@@ -71,6 +70,14 @@ def test_bad_chat_tensors_are_refused_and_start_is_honoured(handler):
             handler.handle_session_tensors(9, inputs, start=True, end=False)
         assert 9 not in handler.store  # START dropped what the key held, even on a refused request
         handler.handle_session_tensors(9, {"TEXT": _s(b"held text")}, start=True, end=False)
+    # a delta of messages on START has no previous request to extend (as a text delta on START)
+    with pytest.raises(InvalidRequest, match="START request has MODE='delta' with MESSAGES"):
+        handler.handle_session_tensors(9, {"MESSAGES": _s(b"[]"), "MODE": _s(b"delta")}, start=True, end=False)
+    assert 9 not in handler.store
+    # after a text request the sequence holds no chat session to extend: NOT_FOUND, as an unknown text session
+    handler.handle_session_tensors(9, {"TEXT": _s(b"held text")}, start=True, end=False)
+    with pytest.raises(UnknownSession, match="resend the whole conversation with MODE=full"):
+        handler.handle_session_tensors(9, {"MESSAGES": _s(b"[]"), "MODE": _s(b"delta")}, start=False, end=False)
     errors = sum(s.value for fam in handler.registry.collect() for s in fam.samples
                  if s.name == "toktier_request_errors_total" and s.labels["face"] == "triton")
-    assert errors == 6
+    assert errors == 7

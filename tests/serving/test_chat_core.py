@@ -21,7 +21,7 @@ from tests.chat.conftest import hf_tokenizer
 from tests.chat.corpus import TOOL_TEMPLATES, conversation, trajectories
 from toktier_backend.chat.session import ChatSession
 from toktier_backend.chat.template import load_chat_template, special_tokens
-from toktier_backend.errors import InvalidRequest
+from toktier_backend.errors import InvalidRequest, UnknownSession
 from toktier_backend.serving.core import ChatTemplate, CoreConfig, ServingCore, chat_nbytes
 from toktier_backend.serving.metrics import Metrics, Origin
 from toktier_backend.serving.session_store import ENTRY_OVERHEAD
@@ -143,18 +143,20 @@ def test_delta_of_messages_extends_the_previous_request(chat_folder, tmp_path, n
 
 
 def test_delta_of_messages_without_a_held_conversation_is_refused(chat_folder, tmp_path):
-    """A delta needs the key's previous chat request: no key, an unknown key, or a key whose last step was a
-    text request are refused with what to do instead; the held session still answers exactly."""
+    """A delta needs the key's previous chat request: no key (InvalidRequest), an unknown key or a key whose
+    last step was a text request (UnknownSession: Triton NOT_FOUND, as a text delta) are refused with what to
+    do instead; the held session still answers exactly."""
     name = "llama3_1"
     folder = chat_folder(name)
     core, _ = _core(folder, tmp_path)
     conv, options = _trajectory(name, 6)
     one = json.dumps(conv[4:5]).encode()
-    for key in (None, "unknown"):
-        with pytest.raises(InvalidRequest, match="MODE=full|whole conversation"):
-            core.chat(ORIGIN, one, key=key, mode="delta", add_generation_prompt=True)
+    with pytest.raises(InvalidRequest, match="needs a session key"):
+        core.chat(ORIGIN, one, key=None, mode="delta", add_generation_prompt=True)
+    with pytest.raises(UnknownSession, match="MODE=full"):
+        core.chat(ORIGIN, one, key="unknown", mode="delta", add_generation_prompt=True)
     core.encode(ORIGIN, "plain text", key="t")
-    with pytest.raises(InvalidRequest, match="MODE=full"):
+    with pytest.raises(UnknownSession, match="MODE=full"):
         core.chat(ORIGIN, one, key="t", mode="delta", add_generation_prompt=True)
     core.chat(ORIGIN, json.dumps(conv[:4]).encode(), key="k", add_generation_prompt=True)
     with pytest.raises(InvalidRequest, match="MODE"):

@@ -191,7 +191,6 @@ def test_enable_thinking_and_continue_final_message(chat_server):
     ("neither", "exactly one of the inputs"),
     ("not_json", "not JSON"),
     ("not_array", "JSON array of message objects"),
-    ("delta", "resend the whole conversation with MODE=full"),
     ("element", "element 1 is a int"),
     ("refused", "the chat template (refused|failed on) the request"),
 ])
@@ -205,7 +204,6 @@ def test_bad_chat_requests_are_invalid_arg(chat_server, case, why):
         "neither": lambda: _chat_inputs(mod, agp=True),
         "not_json": lambda: _chat_inputs(mod, raw=b"[{not json"),
         "not_array": lambda: _chat_inputs(mod, raw=b'{"role": "user"}'),
-        "delta": lambda: _chat_inputs(mod, conv, mode="delta"),
         "element": lambda: _chat_inputs(mod, raw=b'[{"role": "user", "content": "x"}, 3]'),
         "refused": lambda: _chat_inputs(mod, raw=b'[{"role": "user", "content": "x"}, {"role": "assistant", "content": 5}]'),
     }[case]()
@@ -215,6 +213,26 @@ def test_bad_chat_requests_are_invalid_arg(chat_server, case, why):
     assert "INVALID_ARG" in str(e.value.status())
     import re
     assert re.search(why, str(e.value)), str(e.value)
+
+
+def test_delta_without_a_previous_chat_request_is_refused(chat_server):
+    """``MODE=delta`` with ``MESSAGES`` on START: INVALID_ARG (as a text delta on START); after a ``TEXT``
+    request of the sequence: NOT_FOUND, as a text delta for an unknown session. Both ask for the whole
+    conversation."""
+    import tritonclient.grpc as mod
+    from tritonclient.utils import InferenceServerException
+
+    client = mod.InferenceServerClient(chat_server.grpc_url)
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("toktier_session", _chat_inputs(mod, _conv(3), mode="delta"), sequence_id="bad-delta",
+                     sequence_start=True, sequence_end=True)
+    assert "INVALID_ARG" in str(e.value.status()) and "MODE=full" in str(e.value), str(e.value)
+    client.infer("toktier_session", _chat_inputs(mod, text="plain text"), sequence_id="bad-delta-2",
+                 sequence_start=True)
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("toktier_session", _chat_inputs(mod, _conv(3), mode="delta"), sequence_id="bad-delta-2",
+                     sequence_end=True)
+    assert "NOT_FOUND" in str(e.value.status()) and "MODE=full" in str(e.value), str(e.value)
 
 
 def test_chat_renders_counted_and_verified(chat_server):

@@ -761,6 +761,12 @@ class ChatSession:
         request: copy what must outlive it."""
         return self._raw if self._raw is not None else self._snaps
 
+    @property
+    def extendable(self) -> bool:
+        """Can :meth:`render_more` extend the last request (one was rendered and kept, and it did not end
+        inside its final message)?"""
+        return bool(self._snaps) and self._snaps[-1] is not _NEVER
+
     def render_more(self, new_messages: list[Mapping[str, Any]], **options: Any) -> ChatRender:
         """Render the previous request's messages followed by ``new_messages``: the client sends only the
         messages after its previous request's (Triton ``MODE=delta`` with ``MESSAGES``). Same text as
@@ -782,7 +788,7 @@ class ChatSession:
         if type(new_messages) is not list:
             raise InvalidRequest(f"messages must be a list of message objects, got {type(new_messages).__name__}")
         snaps = self._snaps
-        if not snaps or snaps[-1] is _NEVER:
+        if not self.extendable:
             raise InvalidRequest(
                 "a delta of messages needs the conversation's previous request: none is held (first request, "
                 "a failed one, or one with continue_final_message); send the whole conversation")

@@ -732,9 +732,12 @@ class ServingCore:
         Raises:
             InvalidRequest: the core has no chat template, malformed messages or options, the template
                 refused the request, or the rendered text is over ``max_text_bytes`` or not encodable;
-                ``mode="delta"`` without a key, or with no previous chat request of the key held (none, ended,
-                evicted, failed, busy, or rendered in full while quarantined). A held session is left as it was (its renderer may have advanced: the next request then
-                updates the tokenizer session from the whole text).
+                ``mode="delta"`` without a key or with ``start``. A held session is left as it was (its renderer may have
+                advanced: the next request then updates the tokenizer session from the whole text).
+            UnknownSession: ``mode="delta"`` and the key holds no chat session that rendered and kept its
+                previous request (none, ended, evicted, after a text request, a refused request or
+                ``continue_final_message``, busy, or rendered in full while quarantined): resend the whole
+                conversation (``mode="full"``).
         """
         t0 = time.perf_counter()
         flag = bool(add_special_tokens)
@@ -753,6 +756,10 @@ class ServingCore:
             elif delta:
                 raise InvalidRequest("a delta of messages (MODE=delta) needs a session key (a correlation ID): "
                                      "send the whole conversation instead")
+            if delta and start:
+                raise InvalidRequest(
+                    f"correlation ID {key!r}: the sequence START request has MODE='delta' with MESSAGES, but a new "
+                    f"sequence has no previous request to extend: send the whole conversation (MODE=full) on START")
             tpl = self.chat_template
             if tpl is None:
                 raise InvalidRequest(
@@ -788,7 +795,7 @@ class ServingCore:
         while True:
             entry = self.store.get(key)
             if delta and (entry is None or entry.add_special_tokens != flag):
-                raise InvalidRequest(_NO_DELTA_BASE + " (no chat session is held for this key)")
+                raise UnknownSession(_NO_DELTA_BASE + " (no chat session is held for this key)")
             if entry is None or entry.add_special_tokens != flag:
                 # held only once its first request succeeded: a failed one leaves the store as it was
                 new = SessionEntry(self.tokenizer.session(add_special_tokens=flag), flag, 0, self.store.now())
@@ -797,7 +804,7 @@ class ServingCore:
                                           fresh=True)
             if not entry.lock.acquire(blocking=wait):
                 if delta:
-                    raise InvalidRequest(_NO_DELTA_BASE + " (the session is in use by another request)")
+                    raise UnknownSession(_NO_DELTA_BASE + " (the session is in use by another request)")
                 return self._chat_stateless(origin, tpl, _parsed(messages), options, flag, t0,
                                             "quarantined" if quarantined else "busy")
             try:
@@ -865,8 +872,9 @@ class ServingCore:
         synced = entry.chat is not None and entry.chat_synced == entry.requests
         body_bytes = len(messages) if isinstance(messages, (bytes, bytearray, memoryview)) else 0
         if delta:
-            if entry.chat is None or getattr(entry.chat, "template", None) is not tpl:
-                raise InvalidRequest(_NO_DELTA_BASE + " (its previous request was not rendered by this session)")
+            if entry.chat is None or getattr(entry.chat, "template", None) is not tpl or not entry.chat.extendable:
+                raise UnknownSession(_NO_DELTA_BASE + " (its previous request was not a chat request this session "
+                                                      "rendered and kept)")
             messages = _parsed(messages)
             body_bytes = 0
         entry.chat_synced = -1  # until this step has succeeded (a failed render or encode breaks the pairing)
