@@ -404,6 +404,26 @@ def _first(lst, p, lo, hi, reverse):
     return lst[i] if i < len(lst) and lst[i] < hi else None
 
 
+def _append_record(p: int, rec: "_Rec", recs: list, nsens: list, nonempty: list, la: list, readers: dict,
+                   writers: dict) -> int:
+    """Append the record of position ``p`` (above every position already indexed, so each position list
+    stays sorted) to a memo's records and position indexes; returns its lookahead (``rec.maxread - p`` when
+    it read a later message, else 0) for ``la_max``."""
+    recs.append(rec)
+    if rec.nsens:
+        nsens.append(p)
+    if rec.out:
+        nonempty.append(p)
+    for key in rec.ns_reads.keys() | rec.cmps.keys():
+        readers.setdefault(key, []).append(p)
+    for key in rec.writes:
+        writers.setdefault(key, []).append(p)
+    if rec.maxread > p:
+        la.append(p)
+        return rec.maxread - p
+    return 0
+
+
 class _Builder:
     """Builds the new memo in iteration order from reused position ranges and freshly rendered records."""
 
@@ -450,18 +470,7 @@ class _Builder:
                         ext(dst, key, lst[bisect_left(lst, lo):bisect_left(lst, hi)])
             else:
                 _, p, rec = c
-                recs.append(rec)
-                if rec.nsens:
-                    nsens.append(p)
-                if rec.out:
-                    nonempty.append(p)
-                if rec.maxread > p:
-                    la.append(p)
-                    la_max = max(la_max, rec.maxread - p)
-                for key in rec.ns_reads.keys() | rec.cmps.keys():
-                    readers.setdefault(key, []).append(p)
-                for key in rec.writes:
-                    writers.setdefault(key, []).append(p)
+                la_max = max(la_max, _append_record(p, rec, recs, nsens, nonempty, la, readers, writers))
         assert len(recs) == n, (len(recs), n)
         m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
         m.nonempty = nonempty
@@ -515,26 +524,7 @@ class _Builder:
             if rec.maxread > p:
                 la_max = max(la_max, rec.maxread - p)
         for p, rec in added:
-            recs.append(rec)
-            if rec.nsens:
-                nsens.append(p)
-            if rec.out:
-                nonempty.append(p)
-            if rec.maxread > p:
-                la.append(p)
-                la_max = max(la_max, rec.maxread - p)
-            for key in rec.ns_reads.keys() | rec.cmps.keys():
-                lst = readers.get(key)
-                if lst is None:
-                    readers[key] = [p]
-                else:
-                    lst.append(p)
-            for key in rec.writes:
-                lst = writers.get(key)
-                if lst is None:
-                    writers[key] = [p]
-                else:
-                    lst.append(p)
+            la_max = max(la_max, _append_record(p, rec, recs, nsens, nonempty, la, readers, writers))
         assert len(recs) == n, (len(recs), n)
         m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
         m.nonempty = nonempty
