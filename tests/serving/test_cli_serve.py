@@ -79,9 +79,14 @@ def test_serve_until_sigterm(tmp_path):
 
 
 def test_serve_refuses_a_chat_template_it_cannot_read(tmp_path):
-    """A missing or unreadable ``--chat-template`` stops ``toktier serve`` before any server starts, naming
-    the file."""
+    """A missing ``--chat-template``, or a .json without ``chat_template``, stops ``toktier serve`` before any
+    server starts, naming the file."""
     missing = tmp_path / "nope.jinja"
     out = subprocess.run([sys.executable, "-m", "toktier_backend.cli", "serve", "--tokenizer", str(BUNDLED),
                           "--chat-template", str(missing)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "nope.jinja" in out.stderr, out.stderr
+    no_template = tmp_path / "tokenizer.json"  # a .json without chat_template
+    no_template.write_text('{"model": {}}')
+    out = subprocess.run([sys.executable, "-m", "toktier_backend.cli", "serve", "--tokenizer", str(BUNDLED),
+                          "--chat-template", str(no_template)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no 'chat_template' in this file" in out.stderr, out.stderr

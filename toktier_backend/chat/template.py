@@ -80,7 +80,11 @@ def _read_json(path: Path) -> dict:
 
 def _read_template_file(path: Path) -> str:
     if path.suffix == ".json":
-        return _template_from_json(path, _read_json(path)) or ""
+        t = _template_from_json(path, _read_json(path))
+        if t is None:  # named explicitly: a file without a template is a mistake, not "no template"
+            raise UnsupportedTokenizer(f"{path}: no 'chat_template' in this file (give a .jinja file, or a .json "
+                                       f"holding chat_template, such as a model's tokenizer_config.json)")
+        return t
     try:
         return path.read_text(encoding="utf-8")
     except OSError as e:

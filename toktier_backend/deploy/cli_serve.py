@@ -141,7 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         try:  # refused here, with the file's name, rather than by every model instance at load
             load_chat_template(None, _template_file(args.chat_template))
         except (ToktierError, OSError) as e:
-            print(f"toktier serve: --chat-template {args.chat_template}: {e}", file=sys.stderr)
+            print(f"toktier serve: --chat-template: {e}", file=sys.stderr)  # (the error names the file)
             return 2
 
     return serve(

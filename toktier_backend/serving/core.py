@@ -789,13 +789,19 @@ class ServingCore:
             self.metrics.set_chat_quarantined(origin, quarantined)
         return out
 
+    def _no_delta_base(self, key: Key, why: str) -> str:
+        """The message of a refused delta of messages (``UnknownSession``)."""
+        return (f"correlation ID {key!r} (tokenizer {self.name}): MODE=delta with MESSAGES needs the "
+                f"conversation's previous chat request, and this server holds none to extend ({why}): resend the "
+                f"whole conversation with MODE=full")
+
     def _chat_keyed(self, origin: Origin, tpl: "ChatTemplate", key: Key, messages, options: dict, flag: bool,
                     reply: str, wait: bool, quarantined: bool, t0: float, delta: bool = False) -> Reply:
         self.store.expire()
         while True:
             entry = self.store.get(key)
             if delta and (entry is None or entry.add_special_tokens != flag):
-                raise UnknownSession(_NO_DELTA_BASE + " (no chat session is held for this key)")
+                raise UnknownSession(self._no_delta_base(key, "no chat session is held for it"))
             if entry is None or entry.add_special_tokens != flag:
                 # held only once its first request succeeded: a failed one leaves the store as it was
                 new = SessionEntry(self.tokenizer.session(add_special_tokens=flag), flag, 0, self.store.now())
@@ -804,7 +810,7 @@ class ServingCore:
                                           fresh=True)
             if not entry.lock.acquire(blocking=wait):
                 if delta:
-                    raise UnknownSession(_NO_DELTA_BASE + " (the session is in use by another request)")
+                    raise UnknownSession(self._no_delta_base(key, "its session is in use by another request"))
                 return self._chat_stateless(origin, tpl, _parsed(messages), options, flag, t0,
                                             "quarantined" if quarantined else "busy")
             try:
@@ -873,8 +879,8 @@ class ServingCore:
         body_bytes = len(messages) if isinstance(messages, (bytes, bytearray, memoryview)) else 0
         if delta:
             if entry.chat is None or getattr(entry.chat, "template", None) is not tpl or not entry.chat.extendable:
-                raise UnknownSession(_NO_DELTA_BASE + " (its previous request was not a chat request this session "
-                                                      "rendered and kept)")
+                raise UnknownSession(self._no_delta_base(
+                    key, "its previous request was not a chat request this session rendered and kept"))
             messages = _parsed(messages)
             body_bytes = 0
         entry.chat_synced = -1  # until this step has succeeded (a failed render or encode breaks the pairing)
@@ -1329,10 +1335,6 @@ def _chat_options(tools, documents, add_generation_prompt, continue_final_messag
         raise InvalidRequest(f"chat_template_kwargs may not set {bad!r}: send them as the request's own fields")
     return {**kwargs, "tools": tools, "documents": documents, "add_generation_prompt": bool(add_generation_prompt),
             "continue_final_message": bool(continue_final_message)}
-
-
-_NO_DELTA_BASE = ("MODE=delta with MESSAGES needs the conversation's previous chat request, and this server holds "
-                  "none to extend: resend the whole conversation with MODE=full")
 
 
 def _parsed(messages):
