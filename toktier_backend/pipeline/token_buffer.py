@@ -137,13 +137,25 @@ class TokenBuffer:
         room = headroom(need, self._grow_max)
         grow = need > have or have - need > 2 * room  # grow, or give back a truncation's slack
         cap = need + room if grow else have
+        # Growth in place: ndarray.resize reallocs, keeping the first entries (large blocks move by remapping
+        # pages, not copying). numpy refuses (ValueError) when anything but the attribute and the call holds
+        # the array, so no view can be left pointing at freed memory; it is called on the attribute itself
+        # (a helper's argument would be one reference more). The ends are never handed out.
         if grow and self._ends is not None:
-            # the ends array is never handed out: resized in place (realloc keeps its first entries, and
-            # moves large blocks by remapping pages instead of copying them)
-            self._ends.resize(cap, refcheck=False)
+            try:
+                self._ends.resize(cap)
+            except ValueError:
+                ends = np.empty(cap, dtype=np.int32)
+                ends[:keep] = self._ends[:keep]
+                self._ends = ends
+        resized = False
         if grow and unshared:
-            self._ids.resize(cap, refcheck=False)  # no view holds the array (its reference count says so)
-        elif grow or (shown > start and self._changes_shown(start, new_ids, min(shown, need))):
+            try:
+                self._ids.resize(cap)
+                resized = True
+            except ValueError:
+                pass
+        if not resized and (grow or (shown > start and self._changes_shown(start, new_ids, min(shown, need)))):
             ids = np.empty(cap, dtype=np.int32)
             ids[:start] = self._ids[:start]
             self._ids = ids  # the old array stays with its views, unchanged
