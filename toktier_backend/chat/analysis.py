@@ -56,6 +56,7 @@ O6. Comparisons: ``x.attr <op> e`` (or ``e <op> x.attr``) with ``<op>`` one of `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from toktier_backend.errors import UnsupportedTokenizer
 
@@ -527,8 +528,10 @@ def path_matches(static: tuple, path: tuple) -> bool:
     return len(static) == len(path) and all(a == "*" or a == b for a, b in zip(static, path))
 
 
+@lru_cache(maxsize=4096)
 def order_observed(order_paths, path: tuple) -> bool:
-    """May a dict at runtime ``path`` (keys; list indices as ``"*"``) have its key order seen?"""
+    """May a dict at runtime ``path`` (keys; list indices as ``"*"``) have its key order seen? (Memoized:
+    a plan's ``order_paths`` are fixed, and the same few paths recur in every message.)"""
     if order_paths is None:
         return True
     flat, deep = order_paths

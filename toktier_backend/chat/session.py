@@ -621,7 +621,6 @@ class ChatSession:
         self.reference = _t.ChatRenderer(template, special_tokens)
         self.plan = plan if plan is not None else analyze(template)
         self.trust_identity = trust_identity
-        self._order_seen: dict[tuple, bool] = {}  # order_observed per path (the plan's, fixed)
         self._full = full_renderer
         if self._full is None and fast_full:
             from toktier_backend.chat.fast import admit
@@ -777,13 +776,12 @@ class ChatSession:
         """
         if type(new_messages) is not list:
             raise InvalidRequest(f"messages must be a list of message objects, got {type(new_messages).__name__}")
-        snaps = self._snaps
         if not self.extendable:
             raise InvalidRequest(
                 "a delta of messages needs the conversation's previous request: none is held (first request, "
                 "a failed one, or one with continue_final_message); send the whole conversation")
         if self._raw is None:
-            self._raw = list(snaps)  # O(messages) once: the session's own copies, equal to the snapshots
+            self._raw = list(self._snaps)  # O(messages) once: the session's own copies, equal to the snapshots
         raw = self._raw
         n = len(raw)
         if self._body is not None:
@@ -917,12 +915,8 @@ class ChatSession:
         if t in (int, float, bool):
             return True
         if t is dict:
-            if len(v) > 1:
-                seen = self._order_seen.get(path)
-                if seen is None:
-                    seen = self._order_seen[path] = order_observed(self.plan.order_paths, path)
-                if seen:
-                    return True
+            if len(v) > 1 and order_observed(self.plan.order_paths, path):
+                return True
             return any(type(x) is not str and self._needs_strict(x, path + (k,)) for k, x in v.items())
         if t is list:
             return any(type(x) is not str and self._needs_strict(x, path + ("*",)) for x in v)

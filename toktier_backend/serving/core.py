@@ -770,8 +770,8 @@ class ServingCore:
             options = _chat_options(tools, documents, add_generation_prompt, continue_final_message,
                                     chat_template_kwargs)
             quarantined = self.verifier is not None and tpl.key in self.verifier.chat_quarantined
-            if key is None and isinstance(messages, (bytes, bytearray, memoryview)):
-                messages = parse_messages(messages)  # no conversation to compare the bytes with
+            if key is None:
+                messages = _parsed(messages)  # no conversation to compare raw bytes with
             if key is not None:
                 out = self._chat_keyed(origin, tpl, key, messages, options, flag, reply, wait, quarantined, t0,
                                        delta)
@@ -816,6 +816,10 @@ class ServingCore:
             try:
                 if not self.store.holds(key, entry):
                     continue  # ended, evicted or replaced while this request waited: look again
+                if delta and not (entry.chat is not None and getattr(entry.chat, "template", None) is tpl
+                                  and entry.chat.extendable):
+                    raise UnknownSession(self._no_delta_base(
+                        key, "its previous request was not a chat request this session rendered and kept"))
                 return self._chat_run(origin, tpl, key, entry, messages, options, reply, quarantined, t0,
                                       delta=delta)
             finally:
@@ -874,19 +878,15 @@ class ServingCore:
                   fingerprint: Hashable | None = None, delta: bool = False) -> Reply:
         """Render (incrementally, or in full while quarantined), advance the tokenizer session on the pool at
         REPAIR priority, hold and charge the entry, sample, count. The caller holds ``entry.lock``.
-        ``delta``: ``messages`` follow the messages of the chat session's previous request."""
+        ``delta``: ``messages`` follow the messages of ``entry.chat``'s previous request (checked by the
+        caller: :meth:`ChatSession.extendable`, same template)."""
         synced = entry.chat is not None and entry.chat_synced == entry.requests
-        body_bytes = len(messages) if isinstance(messages, (bytes, bytearray, memoryview)) else 0
-        if delta:
-            if entry.chat is None or getattr(entry.chat, "template", None) is not tpl or not entry.chat.extendable:
-                raise UnknownSession(self._no_delta_base(
-                    key, "its previous request was not a chat request this session rendered and kept"))
-            messages = _parsed(messages)
-            body_bytes = 0
+        # the raw body the chat session's incremental parser keeps (a delta is parsed whole, and resets it)
+        body_bytes = len(messages) if not delta and isinstance(messages, (bytes, bytearray, memoryview)) else 0
         entry.chat_synced = -1  # until this step has succeeded (a failed render or encode breaks the pairing)
         if delta:
             chat = entry.chat
-            render = chat.render_more(messages, **options)
+            render = chat.render_more(_parsed(messages), **options)
             messages = chat.messages
             if quarantined:  # the kept messages are still exact; the text comes from the full render
                 render = _FullRender(tpl.full_renderer().render(messages, **options), "full:quarantined")
