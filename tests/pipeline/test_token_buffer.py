@@ -27,6 +27,18 @@ def test_token_buffer_splice_and_boundaries():
     assert not buf.ids().flags.writeable
 
 
+def test_tokens_before_matches_the_reference_offsets_at_every_byte():
+    from ..conftest import load, reference
+
+    text = "def main():\n    print('hello world')  # 1234\n" * 30  # ASCII: bytes == chars
+    enc = reference("gpt2").encode(text, add_special_tokens=False)
+    buf = TokenBuffer(np.zeros(0, np.int32), np.zeros(0, np.int32))
+    buf.splice(0, np.asarray(enc.ids, np.int32), load("gpt2").spec.token_nbytes)
+    ends = [e for _, e in enc.offsets]
+    want = {e: i + 1 for i, e in enumerate(ends)}
+    assert [buf.tokens_before(b) for b in range(len(text) + 2)] == [0] + [want.get(b) for b in range(1, len(text) + 2)]
+
+
 def test_held_reply_keeps_its_values_through_rewrite_truncation_and_suffix():
     buf = TokenBuffer(np.array([9], np.int32), np.array([7], np.int32), capacity=64)
     buf.splice(0, np.array([1, 2, 3], np.int32), NBYTES)

@@ -28,6 +28,7 @@ unused capacity moot and a copy per 4096 tokens would not be.
 
 from __future__ import annotations
 
+import bisect
 import sys
 
 import numpy as np
@@ -116,9 +117,12 @@ class TokenBuffer:
         there (the position is inside a token)."""
         if nbytes == 0:
             return 0
-        # np.int32 needle: a Python int would make numpy cast the whole array (O(n)) before searching
-        k = int(np.searchsorted(self._ends[: self._n], np.int32(nbytes), side="right"))
-        return k if k > 0 and self._ends[k - 1] == nbytes else None
+        # bisect over a memoryview: each probe reads one int32 as a Python int, where numpy's searchsorted
+        # on a slice costs a few microseconds of per-call overhead here (bench/README.md, 2026-12-02). The
+        # view is released on return, so it never blocks the ndarray.resize of a later splice.
+        with memoryview(self._ends) as ends:
+            k = bisect.bisect_right(ends, nbytes, 0, self._n)
+            return k if k > 0 and ends[k - 1] == nbytes else None
 
     def splice(self, keep: int, new_ids: np.ndarray, token_nbytes: np.ndarray | None = None) -> None:
         """Keep the first ``keep`` body tokens, append ``new_ids`` (``np.ndarray[int32]``) after them.

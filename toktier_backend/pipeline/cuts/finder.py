@@ -117,14 +117,15 @@ class CutFinder:
     def last_cut(self, text: str, lo: int, hi: int, end: int) -> int | None:
         """The largest stable cut ``c`` with ``lo <= c <= hi`` (and ``c < end``), or ``None``.
 
-        Searches backwards in growing slices so the usual case (a cut within a few dozen chars) costs
-        a few microseconds.
+        Searches backwards in slices of 32, 128, 512, ... chars, so the usual case (a cut within a few
+        dozen chars) scans a few dozen chars: the seam regexes open with a look-behind, so Python's ``re``
+        tries every position of a slice.
         """
         if not self.supported:
             return None
         hi = min(hi, end - 1)
         lo = max(lo, 1)
-        span = 128
+        span = 32
         top = hi
         while top >= lo:
             bottom = max(lo, top - span + 1)
