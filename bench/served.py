@@ -267,16 +267,31 @@ def run_handler(spec: str, base: str, deltas: list[str], warmup: int, floor_n: i
             "_ids": final_ids, "_text": final_text}
 
 
-def run_in_process(tok, base: str, deltas: list[str], warmup: int) -> dict:
-    s = tok.session()
-    open_ms, _ = timed_ms(lambda: s.update(base))
-    times, routes = [], Counter()
-    for i, d in enumerate(deltas):
-        ms, _ = timed_ms(lambda: s.append(d))
-        if i >= warmup:
-            times.append(ms)
-            routes[s.last_repair.route] += 1
-    return {"open_ms": open_ms, "append": pct(times), "routes": dict(routes), "_ids": s.ids.copy(), "_text": s.text}
+def run_in_process(tok, base: str, deltas: list[str], warmup: int, idle_ms: float = 0.0) -> dict:
+    """``Session.append`` of every delta, back to back; with ``idle_ms``, also a second session over the same
+    base and deltas that sleeps ``idle_ms`` before each append (as a served model instance sits idle while
+    the reply travels and the next request comes), timed as ``append_after_idle``."""
+    out: dict = {}
+    for what, sleep_s in (("append", 0.0), ("append_after_idle", idle_ms / 1e3)):
+        if what == "append_after_idle" and not idle_ms:
+            break
+        s = tok.session()
+        open_ms, _ = timed_ms(lambda: s.update(base))
+        times, routes = [], Counter()
+        for i, d in enumerate(deltas):
+            if sleep_s:
+                time.sleep(sleep_s)
+            ms, _ = timed_ms(lambda: s.append(d))
+            if i >= warmup:
+                times.append(ms)
+                routes[s.last_repair.route] += 1
+        if what == "append":
+            out.update(open_ms=open_ms, append=pct(times), routes=dict(routes), _ids=s.ids.copy(), _text=s.text)
+        else:
+            out["append_after_idle"] = pct(times)
+            out["idle_ms"] = idle_ms
+            out["_ids_after_idle"] = s.ids.copy()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                     "swe-agent if present, else the bundled sample)")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                     help="model parameter for the native server (repeatable), e.g. verifier_first_n=0")
+    ap.add_argument("--idle-ms", type=float, default=1.5, help="in-process: also time appends that each follow "
+                    "an idle of this long (ms; about a served round trip), on a second session (0: skip)")
     ap.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = ap.parse_args(argv)
 
@@ -315,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                      "corpus": str(folder or "bundled"),
                      "delta_chars_mean": float(np.mean([len(d) for d in deltas])),
                      "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "faces": {}}
-    results["faces"]["in-process"] = run_in_process(tok, base, deltas, args.warmup)
+    results["faces"]["in-process"] = run_in_process(tok, base, deltas, args.warmup, args.idle_ms)
     logs = Path(args.out)
     logs.mkdir(parents=True, exist_ok=True)
     for face in [f.strip() for f in args.faces.split(",") if f.strip()]:
@@ -336,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     final_text = base + "".join(deltas)
     want = np.asarray(tok.reference.encode(final_text, add_special_tokens=True).ids, dtype=np.int32)
     for name, r in results["faces"].items():
-        r["exact"] = bool(r.pop("_text") == final_text and np.array_equal(r.pop("_ids"), want))
+        r["exact"] = bool(r.pop("_text") == final_text and np.array_equal(r.pop("_ids"), want)
+                          and np.array_equal(r.pop("_ids_after_idle", want), want))
     results["wall_s"] = time.time() - t0
 
     native_floor = results["faces"].get("native", {}).get("noop_floor", {}).get("p50")
@@ -360,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
             ta, tf = r.get("triton_append") or r["triton_mixed"], r["triton_floor"]
             print(f"{name}: Triton mean ms per request, {what} / floor: " + ", ".join(
                 f"{k[:-3]} {ta[k]:.3f}/{tf[k]:.3f}" for k in ta if ta[k] is not None and tf[k] is not None))
+    ip = results["faces"]["in-process"]
+    if "append_after_idle" in ip:
+        print(f"in-process: Session.append p50 {ip['append']['p50']:.3f} ms back to back, "
+              f"{ip['append_after_idle']['p50']:.3f} ms after a {ip['idle_ms']:g} ms idle each (p90 "
+              f"{ip['append_after_idle']['p90']:.3f}; caches go cold while a served instance waits)")
     if "handler" in results["faces"] and "in-process" in results["faces"]:
         h, c = results["faces"]["handler"]["append"]["p50"], results["faces"]["in-process"]["append"]["p50"]
         print(f"handler in process: append p50 {h:.3f} ms, core Session.append p50 {c:.3f} ms: the handler adds "

@@ -117,9 +117,9 @@ class TokenBuffer:
         there (the position is inside a token)."""
         if nbytes == 0:
             return 0
-        # bisect over a memoryview: each probe reads one int32 as a Python int, where numpy's searchsorted
-        # on a slice costs a few microseconds of per-call overhead here (bench/README.md, 2026-12-02). The
-        # view is released on return, so it never blocks the ndarray.resize of a later splice.
+        # bisect over a memoryview of the ends (non-decreasing): each probe reads one int32 as a Python int,
+        # with no numpy call per request (cost: docs/design/served_path.md). The view is released on
+        # return, so it never blocks the ndarray.resize of a later splice.
         with memoryview(self._ends) as ends:
             k = bisect.bisect_right(ends, nbytes, 0, self._n)
             return k if k > 0 and ends[k - 1] == nbytes else None
