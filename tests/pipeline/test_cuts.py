@@ -83,3 +83,20 @@ def test_lookahead_never_past_end():
     finder = load("gpt2").cuts
     assert finder.is_stable_cut("ab cd", 2, 3)
     assert not finder.is_stable_cut("ab cd", 2, 2)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3", "llama3", "deepseek_v3", "gemma3", "o200k_base"])
+def test_last_cut_is_the_largest_stable_cut_in_the_window(name):
+    # last_cut searches backwards (slices, one anchored match per slice, then the forward scan): whatever the
+    # window, it must return the largest c in [lo, min(hi, end - 1)] the predicate accepts, or None
+    import random
+
+    finder = load(name).cuts
+    rnd = random.Random(7)
+    units = UNITS + SPECIAL_UNITS + ["<", "<|im_end|>", "<|endoftext|>", "<end_of_turn>", "xxxxxxxx" * 8]
+    for _ in range(400):
+        s = "".join(rnd.choice(units) for _ in range(rnd.randint(1, 120)))
+        end = rnd.randint(1, len(s))
+        lo, hi = sorted(rnd.randint(0, len(s)) for _ in range(2))
+        want = next((c for c in range(min(hi, end - 1), max(lo, 1) - 1, -1) if finder.is_stable_cut(s, c, end)), None)
+        assert finder.last_cut(s, lo, hi, end) == want, (s, lo, hi, end)

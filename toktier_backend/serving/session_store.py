@@ -34,7 +34,7 @@ from typing import Any, Callable, Hashable
 DEFAULT_SESSION_TTL_S = 600.0
 """Default idle time after which a session is dropped, in seconds (the sequence batcher's idle timeout)."""
 
-ENTRY_OVERHEAD = 3200
+ENTRY_OVERHEAD = 4096
 """Bytes per held session beyond ``Session.nbytes``: the Session, TextStore, TokenBuffer and RepairInfo
 objects, the entry (with its lock), and the store's dict node: an upper bound of what the ``tracemalloc``
 test counts (numbers: ``docs/design/sessions.md``)."""

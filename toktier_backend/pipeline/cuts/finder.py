@@ -88,6 +88,9 @@ class CutFinder:
         # forward scan takes candidates one C-level search at a time.
         parts = [p.pattern for p in (self.family.SEAM if self.family else None, self._start_re) if p is not None]
         self._any_re = re.compile("|".join(f"(?:{p})" for p in parts)) if parts else None
+        #: ``.*`` then any candidate, then one more char: matched from a slice's start, its end is the slice's
+        #: last candidate position (:meth:`last_cut`).
+        self._last_re = re.compile(f"(?s:.*)(?:{self._any_re.pattern})(?=(?s:.))") if parts else None
         #: chars of left context the predicates read before a cut.
         self.left_context = max(2, self.seams.max_len)
 
@@ -118,20 +121,33 @@ class CutFinder:
         """The largest stable cut ``c`` with ``lo <= c <= hi`` (and ``c < end``), or ``None``.
 
         Searches backwards in slices of 32, 128, 512, ... chars, so the usual case (a cut within a few
-        dozen chars) scans a few dozen chars: the seam regexes open with a look-behind, so Python's ``re``
-        tries every position of a slice.
+        dozen chars) reads a few dozen chars. In each slice ``[bottom, top]`` one anchored match of
+        ``.*`` followed by the candidate pattern (:attr:`_last_re`) finds the slice's *last* candidate in one
+        call: the greedy ``.*`` runs to the slice's end and gives back one char at a time until a candidate
+        position matches, and the trailing ``(?=.)`` keeps that position ``<= top`` (the candidate's own
+        look-ahead needs ``text[c]``, which must lie before the end of the slice, as in the forward scan).
+        The look-behinds read the text before ``bottom``, as they do in a forward ``finditer`` from
+        ``bottom``. When that candidate is not a stable cut (an added token may cover it), the slice's
+        remaining candidates are taken from the forward scan, largest first, so a text dense with rejected
+        candidates costs no more than one forward scan per slice.
         """
-        if not self.supported:
+        if not self.supported or self._last_re is None:
             return None
         hi = min(hi, end - 1)
         lo = max(lo, 1)
         span = 32
         top = hi
+        match = self._last_re.match
         while top >= lo:
             bottom = max(lo, top - span + 1)
-            for c in sorted(set(self._candidates(text, bottom, top)), reverse=True):
+            m = match(text, bottom, top + 1)
+            if m is not None:
+                c = m.end()
                 if self.is_stable_cut(text, c, end):
                     return c
+                for c in sorted(set(self._candidates(text, bottom, c - 1)), reverse=True):
+                    if self.is_stable_cut(text, c, end):
+                        return c
             top = bottom - 1
             span *= 4
         return None
