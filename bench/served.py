@@ -267,30 +267,31 @@ def run_handler(spec: str, base: str, deltas: list[str], warmup: int, floor_n: i
             "_ids": final_ids, "_text": final_text}
 
 
+def _appends(tok, base: str, deltas: list[str], warmup: int, sleep_s: float):
+    """A new session over ``base``, then every delta (sleeping ``sleep_s`` before each): the session, the
+    open's ms, the timed appends' ms and their routes."""
+    s = tok.session()
+    open_ms, _ = timed_ms(lambda: s.update(base))
+    times, routes = [], Counter()
+    for i, d in enumerate(deltas):
+        if sleep_s:
+            time.sleep(sleep_s)
+        ms, _ = timed_ms(lambda: s.append(d))
+        if i >= warmup:
+            times.append(ms)
+            routes[s.last_repair.route] += 1
+    return s, open_ms, times, routes
+
+
 def run_in_process(tok, base: str, deltas: list[str], warmup: int, idle_ms: float = 0.0) -> dict:
     """``Session.append`` of every delta, back to back; with ``idle_ms``, also a second session over the same
     base and deltas that sleeps ``idle_ms`` before each append (as a served model instance sits idle while
     the reply travels and the next request comes), timed as ``append_after_idle``."""
-    out: dict = {}
-    for what, sleep_s in (("append", 0.0), ("append_after_idle", idle_ms / 1e3)):
-        if what == "append_after_idle" and not idle_ms:
-            break
-        s = tok.session()
-        open_ms, _ = timed_ms(lambda: s.update(base))
-        times, routes = [], Counter()
-        for i, d in enumerate(deltas):
-            if sleep_s:
-                time.sleep(sleep_s)
-            ms, _ = timed_ms(lambda: s.append(d))
-            if i >= warmup:
-                times.append(ms)
-                routes[s.last_repair.route] += 1
-        if what == "append":
-            out.update(open_ms=open_ms, append=pct(times), routes=dict(routes), _ids=s.ids.copy(), _text=s.text)
-        else:
-            out["append_after_idle"] = pct(times)
-            out["idle_ms"] = idle_ms
-            out["_ids_after_idle"] = s.ids.copy()
+    s, open_ms, times, routes = _appends(tok, base, deltas, warmup, 0.0)
+    out = {"open_ms": open_ms, "append": pct(times), "routes": dict(routes), "_ids": s.ids.copy(), "_text": s.text}
+    if idle_ms:
+        s, _, times, _ = _appends(tok, base, deltas, warmup, idle_ms / 1e3)
+        out.update(append_after_idle=pct(times), idle_ms=idle_ms, _ids_after_idle=s.ids.copy())
     return out
 
 

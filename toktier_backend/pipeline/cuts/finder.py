@@ -109,14 +109,6 @@ class CutFinder:
             return False
         return self.family.is_stable_cut(text, c, end) or self.seams.starts_at(text, c, end)
 
-    def _candidates(self, text: str, lo: int, hi: int) -> list[int]:
-        out: list[int] = []
-        if self.family.SEAM is not None:
-            out.extend(m.start() for m in self.family.SEAM.finditer(text, lo, hi + 1))
-        if self._start_re is not None:
-            out.extend(m.start() for m in self._start_re.finditer(text, lo, hi + 1))
-        return out
-
     def last_cut(self, text: str, lo: int, hi: int, end: int) -> int | None:
         """The largest stable cut ``c`` with ``lo <= c <= hi`` (and ``c < end``), or ``None``.
 
@@ -145,7 +137,8 @@ class CutFinder:
                 c = m.end()
                 if self.is_stable_cut(text, c, end):
                     return c
-                for c in sorted(set(self._candidates(text, bottom, c - 1)), reverse=True):
+                # the zero-width union yields each candidate position once, ascending
+                for c in reversed([x.start() for x in self._any_re.finditer(text, bottom, c)]):
                     if self.is_stable_cut(text, c, end):
                         return c
             top = bottom - 1
