@@ -85,7 +85,7 @@ def test_lookahead_never_past_end():
     assert not finder.is_stable_cut("ab cd", 2, 2)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen3", "llama3", "deepseek_v3", "gemma3", "o200k_base"])
+@pytest.mark.parametrize("name", NAMES)
 def test_last_cut_is_the_largest_stable_cut_in_the_window(name):
     # last_cut searches backwards (slices, one anchored match per slice, then the forward scan): whatever the
     # window, it must return the largest c in [lo, min(hi, end - 1)] the predicate accepts, or None
