@@ -16,13 +16,31 @@ def test_shared_templates_are_incremental(name):
 
 
 def test_qwen3_structure():
-    """Qwen3: prologue, the reverse scan for the last user query (``index`` inlined, O5), the main loop,
-    the generation prompt."""
+    """Qwen3: the tools/system prologue (reusable, O7), the namespace ``set`` (binds a name: rendered every
+    time), the reverse scan for the last user query (``index`` inlined, O5), the main loop, the generation
+    prompt (reusable)."""
     plan = analyze(template_source("qwen3")[0])
     kinds = [type(s) for s in plan.segments]
-    assert kinds == [PlainSegment, LoopSegment, LoopSegment, PlainSegment]
-    assert plan.segments[1].forms[0].reverse and not plan.segments[2].forms[0].reverse
+    assert kinds == [PlainSegment, PlainSegment, LoopSegment, LoopSegment, PlainSegment]
+    assert [getattr(s, "reusable", None) for s in plan.segments] == [True, False, None, None, True]
+    assert plan.segments[0].free == {"tools", "messages"} and plan.segments[0].uses_messages
+    assert plan.segments[2].forms[0].reverse and not plan.segments[3].forms[0].reverse
     assert plan.inlined == ("index",)
+
+
+@pytest.mark.parametrize("source, reusable", [
+    ("{{ bos_token }}{% if tools %}{{ tools|tojson }}{% endif %}", [True]),
+    ("{% set x = messages|length %}{{ x }}", [False, True]),
+    ("{% if true %}{% set x = 1 %}{% endif %}{{ messages[0].content }}", [False, True]),
+    ("{% set ns = namespace(a=1) %}{% set ns.a = 2 %}{{ strftime_now('%d') }}{% if x %}{{ messages|length }}{% endif %}",
+     [False, True]),
+    ("{{ strftime_now('%d') }}{{ [1, 2]|random }}{{ messages.pop() }}", [False]),
+])
+def test_reusable_plain_statements(source, reusable):
+    """O7: statements that bind a name, write a namespace, call a nondeterministic global or use messages
+    other than by index/length are not reusable; neighbours of one kind share a segment."""
+    plan = analyze(source + "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert [s.reusable for s in plan.segments if isinstance(s, PlainSegment)] == reusable
 
 
 def test_gemma3_alias_forms():

@@ -228,6 +228,56 @@ def test_render_more_equals_the_whole_conversation(name, folder):
         check.chat.render_more([{"role": "user", "content": "more"}], add_generation_prompt=True, **options)
 
 
+_LOOP = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"  # no epilogue
+
+
+@pytest.mark.parametrize("prologue, reused", [
+    # tools and messages[0]: steps 2, 3, 5 (same tools, k > 0), 8, 9 (k >= 1, tools None again)
+    (("{% if tools %}{{ tools|tojson }}{% endif %}{% if messages[0].role == 'system' %}{{ messages[0].content }}"
+      "{% endif %}\n"), 5),
+    # the length: steps 3, 6 and 8 keep it
+    ("{{ messages|length }}\n", 3),
+    # the last message by a negative index (the length, and k == n): steps 3 and 6
+    ("{{ messages[-1].role }}\n", 2),
+    # a name set before it (the length) and messages[1]: steps 3 and 6 (step 8 changed message 1)
+    ("{% set n = messages|length %}{{ n }}{% if messages[1] is defined %}{{ messages[1].content[:3] }}{% endif %}\n", 2),
+])
+def test_reusable_plain_segments(prologue, reused, folder):
+    """Analysis O7: a plain statement's output is reused exactly when what it read is unchanged (tools,
+    ``messages[0]``, the length, the last message by a negative index, a name set before it): the expected
+    counts follow from the steps below by that rule. Every step equals transformers (text and ids)."""
+    check = Checker("qwen2_5", folder, template=prologue + _LOOP)
+    conv = [{"role": "system", "content": "be brief"}] + conversation("qwen2_5", _files()[1])[1:9]
+    tools2 = [{"type": "function", "function": {"name": "ls", "description": "list", "parameters": {}}}]
+    check.step(conv[:3], add_generation_prompt=True, tools=TOOLS)  # 1
+    check.step(conv[:4], tools=TOOLS)  # 2: one more message
+    check.step(conv[:4], add_generation_prompt=True, tools=TOOLS)  # 3: only an option changed
+    check.step(conv[:5], add_generation_prompt=True, tools=tools2)  # 4: other tools
+    check.step(conv[:6], tools=tools2)  # 5
+    check.step(conv[:6], tools=None)  # 6: no tools
+    edited = [{"role": "system", "content": "be verbose"}] + conv[1:7]
+    check.step(edited, add_generation_prompt=True)  # 7: the system message edited (k = 0)
+    check.step(edited[:1] + [{"role": "user", "content": "new"}] + edited[2:7], add_generation_prompt=True)  # 8: k = 1
+    check.step(edited[:3])  # 9: truncated
+    check.step(conv[:8], add_generation_prompt=True)  # 10: the first system message again (k = 0)
+    assert check.chat.stats["incremental"] == check.steps == 10
+    assert check.chat.stats["plain_reused"] == reused, dict(check.chat.stats)
+
+
+def test_qwen3_prologue_is_reused_across_turns(folder):
+    """The real Qwen3 template with tools: the tools/system prologue is rendered once, then reused while the
+    tools and the first message are unchanged; a change of tools renders it again (text vs transformers)."""
+    check = Checker("qwen3", folder)
+    conv = conversation("qwen3", _files()[0])[:10]
+    for i in range(2, len(conv) + 1):
+        check.step(conv[:i], ids=False, add_generation_prompt=conv[i - 1]["role"] != "assistant", tools=TOOLS)
+    assert check.chat.stats["plain_reused"] >= len(conv) - 2
+    before = check.chat.stats["plain_reused"]
+    check.step(conv, ids=False, add_generation_prompt=conv[-1]["role"] != "assistant", tools=TOOLS + TOOLS)
+    assert check.chat.stats["plain_reused"] == before + 1  # the generation prompt only
+    assert check.chat.stats["incremental"] == check.steps
+
+
 def test_refusal_keeps_state(folder):
     """gemma3 refuses non-alternating roles (raise_exception): InvalidRequest, and the next request is
     still exact."""

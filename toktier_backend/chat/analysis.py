@@ -7,8 +7,9 @@ splits the root's statements into *segments*, in order:
   ``messages[c:]``, ``messages[::-1]``, ``messages|reverse``, or a root-level name assigned only such forms
   (``loop_messages``). Its body becomes its own template, rendered once per iteration by
   :mod:`.session`;
-- a **plain segment** is every run of other root statements (prologue, epilogue, code between loops); it is
-  re-rendered in full on every request.
+- a **plain segment** is every run of other root statements (prologue, epilogue, code between loops). A run
+  of *reusable* statements (O7) is a segment of its own, whose output the session reuses while what it read
+  is unchanged; every other plain segment is re-rendered in full on every request.
 
 The proof obligations that make "render the segments one after another, a loop one iteration at a time" equal
 to the full render (each is checked here; a template failing one gets ``Plan.reason`` and is always rendered
@@ -51,6 +52,19 @@ O6. Comparisons: ``x.attr <op> e`` (or ``e <op> x.attr``) with ``<op>`` one of `
     when ``x`` is a namespace, records the outcome instead of the value: the iteration depends on
     ``x.attr`` only through that outcome. (Qwen3's ``loop.index0 > ns.last_query_index``: a new user query
     moves the index but leaves the outcome of earlier turns unchanged.)
+O7. Reusable plain statements: a root statement other than a loop over messages that contains no
+    ``set`` (``Assign``, ``AssignBlock``, namespace attribute targets), no macro, call block, ``with``,
+    include or import (so it binds no name and writes no namespace: its only effect is its output, or an
+    error), calls none of the nondeterministic globals of O3 and no ``random`` filter, reads no alias of
+    messages, and reads ``messages`` only as O3 allows. Its output is then a function of its free names'
+    values (jinja expressions are pure over the sandbox's immutable values, O4) and of the messages it
+    reads. The session renders it with ``messages`` as a recording view (highest index read, whether it
+    read the length) and the other free names' values compared whole with the previous request's (``same``),
+    and reuses its output when those are equal, every message it read lies before the first changed
+    position, and the length is unchanged if it read it. At render time a free name whose value is not a
+    plain JSON value (a namespace, a macro), or ``messages`` rebound at root (``set messages = ...``),
+    renders it in full. (Qwen3's and Qwen2.5's ``{% if tools %}`` prologue writes the tools' JSON on every
+    request otherwise.)
 """
 
 from __future__ import annotations
@@ -119,7 +133,13 @@ class LoopSegment:
 
 @dataclass
 class PlainSegment:
+    """A run of root statements, rendered whole. ``reusable``: every statement satisfies O7; ``free``: the
+    names they read (with ``messages`` if ``uses_messages``)."""
+
     template: Compiled
+    reusable: bool = False
+    free: frozenset[str] = frozenset()
+    uses_messages: bool = False
 
 
 @dataclass
@@ -184,16 +204,61 @@ def _plan(env, root) -> Plan:
                 raise _NotIncremental(f"a loop over messages that is not at root level, line {node.lineno} (O2)")
             pending.append(node)
             continue
-        if pending:
-            plan.segments.append(PlainSegment(_template(env, pending)))
-            pending = []
+        plan.segments += _plain_segments(env, pending, aliases)
+        pending = []
         plan.segments.append(_loop_segment(env, node, forms, aliases, plan))
         loops += 1
-    if pending:
-        plan.segments.append(PlainSegment(_template(env, pending)))
+    plan.segments += _plain_segments(env, pending, aliases)
     if not loops:
         raise _NotIncremental("no root-level loop over messages")
     return plan
+
+
+_BINDS = ("Assign", "AssignBlock", "NSRef", "Macro", "CallBlock", "With", "Include", "Import", "FromImport",
+          "Extends", "Block", "ScopedEvalContextModifier", "EvalContextModifier", "OverlayScope")
+
+
+def _plain_segments(env, stmts, aliases) -> list:
+    """A run of root statements as plain segments: each maximal run of O7-reusable statements, and each
+    maximal run of the others, in order (concatenation, O1)."""
+    import jinja2.meta
+    from jinja2 import nodes
+
+    out: list = []
+    i = 0
+    while i < len(stmts):
+        ok = _reusable(env, stmts[i], aliases)
+        j = i + 1
+        while j < len(stmts) and _reusable(env, stmts[j], aliases) == ok:
+            j += 1
+        compiled = _template(env, stmts[i:j])
+        if ok:
+            free = frozenset(jinja2.meta.find_undeclared_variables(
+                nodes.Template(stmts[i:j], lineno=1).set_environment(env)))
+            out.append(PlainSegment(compiled, True, free, "messages" in free))
+        else:
+            out.append(PlainSegment(compiled))
+        i = j
+    return out
+
+
+def _reusable(env, node, aliases) -> bool:
+    """Does the root statement ``node`` satisfy O7 (module docstring)?"""
+    from jinja2 import nodes
+
+    if type(node).__name__ in _BINDS or any(type(n).__name__ in _BINDS for n in node.find_all(nodes.Node)):
+        return False
+    tmpl = nodes.Template([node], lineno=1).set_environment(env)
+    loaded = {n.name for n in tmpl.find_all(nodes.Name) if n.ctx == "load"}
+    if loaded & (_NONDETERMINISTIC | set(aliases)):
+        return False
+    if any(f.name == "random" for f in tmpl.find_all(nodes.Filter)):
+        return False
+    try:
+        _check_message_uses(tmpl, f"line {node.lineno}")
+    except _NotIncremental:
+        return False
+    return True
 
 
 def _template(env, body):

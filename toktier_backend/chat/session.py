@@ -8,6 +8,11 @@ Mechanism (proof obligations O1-O5 are in :mod:`.analysis`):
    type: ``1``, ``1.0`` and ``True`` are equal in Python but render differently). Positions before ``k`` keep
    the previous request's prepared message *objects*, so "same object" means "same message".
 2. Plain segments are rendered in full with the current variables; their root ``set`` names are passed on.
+   A reusable one (analysis O7: it binds no name) keeps its output with what it read: its free names'
+   values, and through a recording view of ``messages`` the highest index and whether it read the length.
+   It is reused when the values are equal (``same``), every message it read lies before ``k`` and, if it
+   read the length, the length is unchanged; the memo is committed with the request's other memos, so ``k``
+   is always computed against the messages it was rendered from (or checked since).
 3. A loop segment keeps, per message position, a *record* of its last rendering: output, the ``loop``
    attributes it read (with values), the namespace attributes it read before writing them (with values),
    the namespace writes, the highest ``messages`` index it read and whether it read anything that depends on
@@ -394,6 +399,16 @@ class _Memo:
         return self.cum[k - 1] if k > 0 else 0
 
 
+class _PlainMemo:
+    """A reusable plain segment's last render: ``out``, the free names' values it read (``MISSING``: not a
+    variable), the highest message index it read (-1: none), whether it read the length, and the length."""
+
+    __slots__ = ("out", "inputs", "maxread", "nsens", "n")
+
+    def __init__(self, out: str, inputs: dict, maxread: int, nsens: bool, n: int):
+        self.out, self.inputs, self.maxread, self.nsens, self.n = out, inputs, maxread, nsens, n
+
+
 def _first(lst, p, lo, hi, reverse):
     """The first element of sorted ``lst`` met walking from ``p`` (up if not reverse, down if reverse) inside
     ``[lo, hi)``; ``None`` if none."""
@@ -657,6 +672,7 @@ class ChatSession:
         self._next_strict = self._strict
         self._chat: list = []
         self._memos: list | None = None
+        self._plain_options: dict = {}  # option name -> the plain copy made for the last request (_plain_kept)
 
     # ------------------------------------------------------------ public
 
@@ -807,8 +823,8 @@ class ChatSession:
                        continue_final_message=continue_final_message, **kwargs)
         if not self.plan.incremental:
             return self._full_path(messages, options, snaps, chat, "template: " + self.plan.reason)
-        variables = {**self.reference.special_tokens, **_t.plain(kwargs)}
-        base = dict(messages=chat, tools=_t.plain(tools), documents=_t.plain(documents),
+        variables = {**self.reference.special_tokens, **self._plain_kept("kwargs", kwargs)}
+        base = dict(messages=chat, tools=self._plain_kept("tools", tools), documents=self._plain_kept("documents", documents),
                     add_generation_prompt=bool(add_generation_prompt), **variables)
         try:
             pieces, memos = self._render_segments(chat, k, base)
@@ -963,6 +979,17 @@ class ChatSession:
         self._snaps, self._chat, self._memos, self._pieces, self._text, self._length = (
             snaps, chat, memos, pieces, text, length)
 
+    def _plain_kept(self, key: str, value):
+        """``plain(value)``; the copy made for the previous request when ``value`` equals it by ``same`` (a
+        copy of exact JSON types equal by ``same`` is what ``plain`` would build), so that an unchanged
+        option is the same object as last time and the segments' comparisons of it stop at identity."""
+        prev = self._plain_options.get(key, MISSING)
+        if prev is not MISSING and same(prev, value):
+            return prev
+        copy = _t.plain(value)
+        self._plain_options[key] = copy
+        return copy
+
     # ------------------------------------------------------------ segments
 
     def _render_segments(self, chat, k, variables):
@@ -971,8 +998,15 @@ class ChatSession:
         old_memos = self._memos
         pieces: list = []
         memos: list = []
+        built = {id(v) for v in variables.values()}  # plain() copies, special tokens (str), bools: plain values
         for si, seg in enumerate(self.plan.segments):
             if isinstance(seg, PlainSegment):
+                if seg.reusable:
+                    memo = self._run_reusable(seg, chat, k, variables, built,
+                                              old_memos[si] if old_memos is not None else None)
+                    pieces.append(memo.out)
+                    memos.append(memo)
+                    continue
                 ctx = seg.template.new_context(variables)
                 out = "".join(seg.template.root_render_func(ctx))
                 variables.update(ctx.get_exported())
@@ -984,6 +1018,28 @@ class ChatSession:
                 pieces.append(memo)
                 memos.append(memo)
         return pieces, memos
+
+    def _run_reusable(self, seg, chat, k, variables, built, old) -> _PlainMemo:
+        """A reusable plain segment (analysis O7; module docstring, 2): the previous request's memo if what
+        it read is unchanged, else a fresh render recording its reads. It binds no name: nothing to export.
+        ``built``: ids of the request's own variables (plain by construction; held by the caller)."""
+        inputs = {name: variables.get(name, MISSING) for name in seg.free if name != "messages"}
+        n = len(chat)
+        cacheable = (not seg.uses_messages or variables.get("messages") is chat) and all(
+            v is MISSING or id(v) in built or _plain_value(v) for v in inputs.values())
+        if (cacheable and type(old) is _PlainMemo and old.maxread < k and (not old.nsens or old.n == n)
+                and old.inputs.keys() == inputs.keys() and all(same(old.inputs[x], v) for x, v in inputs.items())):
+            self.stats["plain_reused"] += 1
+            return old
+        rec = _Rec(None, -1)
+        ctx_vars = variables
+        if seg.uses_messages and cacheable:
+            ctx_vars = dict(variables)
+            ctx_vars["messages"] = _RecMessages(chat, rec)
+        out = "".join(seg.template.root_render_func(seg.template.new_context(ctx_vars)))
+        if not cacheable:  # a read the memo cannot describe: never reused (maxread above every k)
+            rec.maxread = n
+        return _PlainMemo(out, inputs, rec.maxread, rec.nsens, n)
 
     def _form(self, seg: LoopSegment, chat, variables) -> IterForm:
         if seg.alias is None:
