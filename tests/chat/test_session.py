@@ -264,6 +264,39 @@ def test_reusable_plain_segments(prologue, reused, folder):
     assert check.chat.stats["plain_reused"] == reused, dict(check.chat.stats)
 
 
+_SCAN = ("{%- set ns = namespace(last=-1) %}"
+         "{%- for m in ITER %}{%- if ns.last < 0 and m.role == 'user' %}SET{%- endif %}{%- endfor %}"
+         "{%- for m in messages %}<|im_start|>{{ m.role }}{% if loop.index0 == ns.last %} (last query){% endif %}\n"
+         "{{ m.content }}<|im_end|>\n{%- endfor %}")
+
+
+@pytest.mark.parametrize("iterable, set_last, per_append", [
+    ("messages[::-1]", "{%- set ns.last = (messages|length - 1) - loop.index0 %}", 2),
+    ("messages|reverse", "{%- set ns.last = messages|length - loop.index0 - 1 %}", 2),
+    # not the position: the match reads the length and is rendered again at every append
+    ("messages[::-1]", "{%- set ns.last = (messages|length - 2) - loop.index0 %}", 3),
+    # in a nested for, ``loop`` is the nested loop's: not rewritten; ns.last = length - 1 moves at every
+    # append, so the main loop's old last message is rendered again as well
+    ("messages[::-1]", "{%- for _ in [0] %}{%- set ns.last = (messages|length - 1) - loop.index0 %}{%- endfor %}", 4),
+])
+def test_reverse_scan_reads_the_position(iterable, set_last, per_append, folder):
+    """Analysis O5b: in a reverse loop over every message, ``(messages|length - 1) - loop.index0`` is the
+    position, so appending a message that is not a user query renders the new message once in each loop
+    (2 iterations); an expression that is not the position keeps its length read, and the scan's match is
+    rendered again. Every step equals transformers (text and ids)."""
+    check = Checker("qwen2_5", folder, template=_SCAN.replace("ITER", iterable).replace("SET", set_last))
+    conv = conversation("qwen2_5", _files()[1])[:12]
+    check.step(conv[:3], add_generation_prompt=True)
+    rendered = []
+    for i in range(4, len(conv) + 1):
+        before = check.chat.stats["iterations_rendered"]
+        check.step(conv[:i], add_generation_prompt=conv[i - 1]["role"] != "assistant")
+        if conv[i - 1]["role"] != "user":
+            rendered.append(check.chat.stats["iterations_rendered"] - before)
+    assert rendered and set(rendered) == {per_append}, rendered
+    assert check.chat.stats["incremental"] == check.steps
+
+
 def test_qwen3_prologue_is_reused_across_turns(folder):
     """The real Qwen3 template with tools: the tools/system prologue is rendered once, then reused while the
     tools and the first message are unchanged; a change of tools renders it again (text vs transformers)."""

@@ -46,6 +46,14 @@ O5. Inlining (to make reads lazy): a body-level ``{% set v = e %}`` where ``e`` 
     the same at every read, so output is unchanged, while an iteration that never reads ``v`` no longer
     records the reads of ``e``. (Qwen3's reverse scan: ``index`` is computed from ``loop.index0`` and the
     length but read only when the user query is found.)
+O5b. Position (to make reads independent of the length): in a loop over ``messages[::-1]`` or
+    ``messages|reverse`` (every message, in reverse; not through an alias), ``(messages|length - 1) -
+    loop.index0`` and ``messages|length - loop.index0 - 1`` are replaced by ``loop.revindex0`` wherever
+    ``loop`` is this loop's (not inside a nested ``for``) and the body never stores ``messages`` or
+    ``loop``. Both are the same int: the length ``n`` is the iterated list's, ``index0 = n - 1 - p`` at
+    message position ``p``, and ``revindex0 = n - 1 - index0 = p``. A record then reads the position, which
+    does not change when messages are appended. (Qwen3's reverse scan writes ``ns.last_query_index =
+    index``: its match is no longer re-rendered on every turn.)
 O6. Comparisons: ``x.attr <op> e`` (or ``e <op> x.attr``) with ``<op>`` one of ``== != > >= < <=`` and
     ``e`` total as in O5 is rewritten to a call of the recorder with ``x``'s name, the attribute, the op and
     ``e``; it evaluates exactly what jinja would (the sandbox's ``getattr``, then Python's operator) and,
@@ -362,6 +370,8 @@ def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
     body = list(node.body)
     body, inlined = _inline(body)
     plan.inlined += inlined
+    if forms == (IterForm(0, True),) and not isinstance(node.iter, nodes.Name):
+        body = _rewrite_positions(body)
     body = [_rewrite_compares(stmt) for stmt in body]
     tmpl_node = nodes.Template(body, lineno=1).set_environment(env)
     free = frozenset(jinja2.meta.find_undeclared_variables(tmpl_node)) - {COMPARE}
@@ -641,6 +651,41 @@ def _inline(body: list) -> tuple[list, tuple[str, ...]]:
             continue
         i += 1
     return body, tuple(done)
+
+
+def _rewrite_positions(body: list) -> list:
+    """O5b (module docstring): ``body`` of a loop over every message in reverse."""
+    from jinja2 import nodes
+    from jinja2.visitor import NodeTransformer
+
+    wrapper = nodes.Template(body, lineno=1)
+    if any(n.name in ("messages", "loop") and n.ctx != "load" for n in wrapper.find_all(nodes.Name)):
+        return body
+
+    def length(e):
+        return (isinstance(e, nodes.Filter) and e.name == "length" and isinstance(e.node, nodes.Name)
+                and e.node.name == "messages" and not (e.args or e.kwargs or e.dyn_args or e.dyn_kwargs))
+
+    def one(e):
+        return isinstance(e, nodes.Const) and type(e.value) is int and e.value == 1
+
+    def index0(e):
+        return (isinstance(e, nodes.Getattr) and isinstance(e.node, nodes.Name) and e.node.name == "loop"
+                and e.attr == "index0")
+
+    class Rewrite(NodeTransformer):
+        def visit_For(self, node):  # noqa: N802 - inside, ``loop`` is the nested loop's
+            return node
+
+        def visit_Sub(self, node):  # noqa: N802
+            node = self.generic_visit(node)
+            a = node.left
+            if isinstance(a, nodes.Sub) and length(a.left) and (
+                    (one(a.right) and index0(node.right)) or (index0(a.right) and one(node.right))):
+                return nodes.Getattr(nodes.Name("loop", "load"), "revindex0", "load").set_lineno(node.lineno)
+            return node
+
+    return [Rewrite().visit(stmt) for stmt in body]
 
 
 def _rewrite_compares(stmt):
