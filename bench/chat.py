@@ -26,10 +26,21 @@ as an agent resends it. Each request is an OpenAI-style JSON body
 - ``transformers``: ``apply_chat_template(tokenize=True)`` (``--hf-samples`` samples: it encodes the whole
   text with HF);
 - ``jinja2+gigatoken``: full render by the transformers-compatible jinja2 renderer, gigatoken encode;
-- ``minijinja+gigatoken``: full render by minijinja, gigatoken encode.
+- ``minijinja+gigatoken``: full render by minijinja, gigatoken encode;
+- ``floor`` (not a system: a lower bound of what any exact pipeline pays for the turn, measured the same
+  way): ``orjson.loads`` of the new messages' JSON, minijinja's render of those messages alone (as a
+  conversation of their own, without tools: none of the context's text) and gigatoken's encode of the text
+  the turn adds (``ChatRender.delta``). Timed on the same turns, interleaved with ``ours_delta``, each
+  preceded by the same check traffic, so both start from the same cache state. ``-`` where the template
+  refuses the new messages alone (gemma3: roles must start with a user turn).
 
 The anchors and transformers get the messages already decoded (``orjson.loads`` of the same body, untimed):
 their JSON parse is not counted, ours is (conservative for ours).
+
+Cache state. Between two timed turns the run checks the reply (the whole text against the jinja2 render, the
+ids against gigatoken's): tens of MB at 3M chars, less at 100K, so the bigger sizes start their turns with
+colder caches. ``--sweep-mb N`` also reads an N MB buffer after each check (and after each anchor sample),
+so that every turn at every size starts from the same cold state (32 MB is above this machine's caches).
 
 Exactness first: every sample's text is compared with the jinja2 full render, every sample's ids with
 gigatoken's encode of that text, and the first and last samples' ids with HF ``tokenizers``
@@ -39,6 +50,7 @@ gigatoken's encode of that text, and the first and last samples' ids with HF ``t
 Usage:
     python bench/chat.py
     python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --samples 24
+    python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --sweep-mb 32
 """
 
 from __future__ import annotations
@@ -61,8 +73,9 @@ A.ensure_repo_on_path()
 from tests.chat import corpus as C  # noqa: E402
 
 SYSTEMS = ("ours", "ours_delta", "transformers", "jinja2+gigatoken", "minijinja+gigatoken")
+FLOOR = "floor"  # a lower bound of the turn's parts, not a system (module docstring)
 COLORS = {"ours": "tab:blue", "ours_delta": "tab:purple", "transformers": "tab:red", "jinja2+gigatoken": "tab:green",
-          "minijinja+gigatoken": "tab:orange"}
+          "minijinja+gigatoken": "tab:orange", FLOOR: "tab:gray"}
 CLIP = 1200
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
                                            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
@@ -168,8 +181,15 @@ def _options(options: dict, value: dict) -> dict:
     return options
 
 
+def _same(render, ids, text: str, want: np.ndarray) -> bool:
+    """The reply check between timed turns: the whole text and the ids (its memory traffic is part of the
+    cache state the next turn starts from)."""
+    return render.text == text and np.array_equal(np.asarray(ids, dtype=np.int64), want)
+
+
 def run(name: str, size: int, args, shared: Path) -> dict:
     import gigatoken
+    import orjson
     from tokenizers import Tokenizer
 
     from toktier_backend import load_tokenizer
@@ -199,7 +219,15 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     for i in (0, len(texts) - 1):
         if hf.encode(texts[i], add_special_tokens=False).ids != want_ids[i].tolist():
             exact["jinja2+gigatoken"] = exact["minijinja+gigatoken"] = False
-    times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    times: dict[str, list[float]] = {s: [] for s in (*SYSTEMS, FLOOR)}
+    if args.sweep_mb:
+        sweep = np.ones(args.sweep_mb << 18, dtype=np.float32)
+
+        def cool() -> None:
+            sweep.sum()
+    else:
+        def cool() -> None:
+            pass
     stages: dict[str, list[float]] = {"parse": [], "render": [], "tokenize": [], "memcmp": []}
     stats = {}
 
@@ -257,6 +285,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
         if i in (0, len(reqs) - 1) and ids.tolist() != hf.encode(texts[i], add_special_tokens=False).ids:
             exact["ours"] = False
         del ids  # a face drops its view of the reply once the response is written (token_buffer.py)
+        cool()
     stats["ours_routes"] = {k: v for k, v in chat.stats.items()}
     stats["ours_append_share"] = extends / len(reqs)
     stats["ours_parse_reused_all_share"] = reused_all / len(reqs) if bodies is not None else None
@@ -271,17 +300,30 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     tok_d.update(r.text)
     ends = [start + 2 * (s + 1) for s in range(len(reqs))]
     prev_end = len(first)
+    floor_ok = True
     gc.collect()
     for i, end in enumerate(ends):
-        raw = _dumps(conv[prev_end:end])  # untimed: what the client sends
+        raw = _dumps(conv[prev_end:end])  # untimed: what the client sends (the 2 new messages)
         prev_end = end
         t0 = time.perf_counter_ns()
         r = chat_d.render_more(parse_messages(raw), **options)
         delta = r.delta
         ids = tok_d.append(delta) if r.extends_previous else tok_d.splice(r.departure, delta)
         times["ours_delta"].append((time.perf_counter_ns() - t0) / 1e6)
-        if r.text != texts[i] or not np.array_equal(np.asarray(ids, dtype=np.int64), want_ids[i]):
+        if not _same(r, ids, texts[i], want_ids[i]):
             exact["ours_delta"] = False
+        cool()
+        if floor_ok:  # the floor of the same turn, after the same check traffic (module docstring)
+            try:
+                t0 = time.perf_counter_ns()
+                mini.render(orjson.loads(raw), add_generation_prompt=True)
+                giga.encode(delta)
+                times[FLOOR].append((time.perf_counter_ns() - t0) / 1e6)
+            except Exception:  # noqa: BLE001 - the template refuses the messages alone: no floor
+                floor_ok = False
+                times[FLOOR].clear()
+            _same(r, ids, texts[i], want_ids[i])
+            cool()
         del ids
 
     for i, msgs in enumerate(reqs):
@@ -296,6 +338,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
         if text2 != texts[i] or not np.array_equal(np.asarray(ids2, dtype=np.int64), want_ids[i]):
             exact["minijinja+gigatoken"] = False
         del ids
+        cool()
     if args.hf_samples:
         from transformers import AutoTokenizer
 
@@ -316,25 +359,28 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     row = {"template": name, "size": size, "chars": len(texts[-1]), "messages": n_messages[-1],
            "body_bytes": len(bodies[-1]) if bodies else 0,
            "minijinja_admitted": admitted, "exact": exact, **stats}
-    for s in SYSTEMS:
-        row[s] = {"n": len(times[s]), "p50": A.percentile(times[s], 50), "p90": A.percentile(times[s], 90)}
+    for s in (*SYSTEMS, FLOOR):
+        row[s] = {"n": len(times[s]), "p50": A.percentile(times[s], 50) if times[s] else None,
+                  "p90": A.percentile(times[s], 90) if times[s] else None}
+    row["sweep_mb"] = args.sweep_mb
     return row
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'template':12} {'size':>8} {'msgs':>5} | " + " | ".join(f"{s:>22}" for s in SYSTEMS)
-            + " | mini/ours  exact")
+    head = (f"{'template':12} {'size':>8} {'msgs':>5} | " + " | ".join(f"{s:>22}" for s in (*SYSTEMS, FLOOR))
+            + " | mini/ours  delta/floor  exact")
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = []
-        for s in SYSTEMS:
+        for s in (*SYSTEMS, FLOOR):
             st = r[s]
             cell = "-" if not st["n"] else f"{st['p50']:.3f}/{st['p90']:.3f} n={st['n']}"
             cells.append(f"{cell:>22}")
         ratio = r["minijinja+gigatoken"]["p50"] / r["ours"]["p50"]
+        over = A.fmt_ratio(r["ours_delta"]["p50"] / r[FLOOR]["p50"]) if r[FLOOR]["n"] else "-"
         bad = [s for s, ok in r["exact"].items() if not ok and r[s]["n"]]
         lines.append(f"{r['template']:12} {r['size']:>8} {r['messages']:>5} | " + " | ".join(cells)
-                     + f" | {A.fmt_ratio(ratio):>9}  {'INEXACT: ' + ','.join(bad) if bad else 'yes'}")
+                     + f" | {A.fmt_ratio(ratio):>9}  {over:>11}  {'INEXACT: ' + ','.join(bad) if bad else 'yes'}")
     return "\n".join(lines)
 
 
@@ -348,7 +394,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names):
         rs = [r for r in rows if r["template"] == name]
-        for s in SYSTEMS:
+        for s in (*SYSTEMS, FLOOR):
             pts = [(r["size"], r[s]["p50"]) for r in rs if r[s]["n"]]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=s, color=COLORS[s])
@@ -370,6 +416,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=24)
     p.add_argument("--hf-samples", type=int, default=3, help="transformers samples per cell (0: skip)")
     p.add_argument("--reuse-objects", action="store_true", help="pass the previous list plus new dicts")
+    p.add_argument("--sweep-mb", type=int, default=0,
+                   help="read an N MB buffer after each sample's check: the same cold start at every size")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
     p.add_argument("--shared", default=None)
     args = p.parse_args(argv)
@@ -381,7 +429,8 @@ def main(argv=None) -> int:
             rows.append(run(name, size, args, shared))
             print(f"[{name} {size}] ours routes {rows[-1]['ours_routes']}", file=sys.stderr, flush=True)
     print(f"# chat turns, ms p50/p90; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"{platform.python_version()}, {'reused objects' if args.reuse_objects else 'messages from JSON'}")
+          f"{platform.python_version()}, {'reused objects' if args.reuse_objects else 'messages from JSON'}, "
+          f"{f'{args.sweep_mb} MB swept after each check' if args.sweep_mb else 'no sweep'}")
     print(table(rows))
     if args.reuse_objects:
         print("ours = render + tokenize from the caller's objects (trust_identity); no bytes. Stage p50 (ms):")
@@ -393,7 +442,8 @@ def main(argv=None) -> int:
         print(f"  {r['template']:12} {r['size']:>8}: " + "  ".join(f"{k} {v:.3f}" for k, v in st.items())
               + f"  append share {r['ours_append_share']:.2f}  body KB {r.get('body_bytes', 0) // 1000}")
     Path(args.out, "chat.json").write_text(json.dumps({"rows": rows, "revision": A.core_revision(),
-                                                       "reuse_objects": args.reuse_objects}, indent=1))
+                                                       "reuse_objects": args.reuse_objects,
+                                                       "sweep_mb": args.sweep_mb}, indent=1))
     plot(rows, Path(args.out, "chat.png"))
     print(f"wrote {args.out}/chat.json, chat.png")
     return 0
