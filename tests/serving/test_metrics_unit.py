@@ -58,3 +58,48 @@ def test_handler_counts(setup):
     h.handle_session(1, b"restart", start=True)
     assert value("toktier_session_evictions_total", model=m, cause="budget") >= 1
     assert value("toktier_session_evictions_total", model=m, cause="budget") == h.store.evictions["budget"]
+
+
+def test_state_gauges_follow_the_last_state_from_two_threads():
+    """``set_state`` skips writing a gauge whose value this process already wrote: the exported value is
+    still the last state passed, also when a value comes back and when two threads (a request's and the
+    verifier's) write the same gauges at once."""
+    import threading
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from toktier_backend.serving.metrics import Origin
+
+    reg = CollectorRegistry()
+    m = Metrics(reg, pool_stats=lambda: None)
+    o = Origin("triton", "toktier_session")
+
+    def gauge(name):
+        return reg.get_sample_value(name, {"face": "triton", "model": "toktier_session"})
+
+    class Store:
+        def __init__(self, n):
+            self.nbytes, self.max_bytes, self.n = n, 0, n
+
+        def __len__(self):
+            return self.n
+
+    for n in (5, 7, 5, 5):
+        m.set_state(o, store=Store(n), verifier=SimpleNamespace(queue_depth=n))
+        assert gauge("toktier_session_memory_bytes") == gauge("toktier_sessions") == n
+        assert gauge("toktier_verifier_queue_depth") == n
+
+    def writer(values):
+        for n in values:
+            m.set_state(o, store=Store(n), verifier=SimpleNamespace(queue_depth=n))
+
+    threads = [threading.Thread(target=writer, args=(range(k, 3000, 2),)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n in (2999, 11, 2999):
+        m.set_state(o, store=Store(n), verifier=SimpleNamespace(queue_depth=n))
+        assert gauge("toktier_session_memory_bytes") == gauge("toktier_sessions") == n
+        assert gauge("toktier_verifier_queue_depth") == n

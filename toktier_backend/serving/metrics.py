@@ -72,6 +72,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,6 +104,7 @@ class Origin:
 
 
 _instance: "Metrics | None" = None
+_UNWRITTEN = object()  # Metrics._set: no value written yet
 
 
 def get_metrics() -> "Metrics | None":
@@ -183,6 +185,9 @@ class Metrics:
         self.pool_stats = pool_stats or _shared_pool_stats
         self._pool_next = 0.0  # pool stats cost percentiles over a window: refreshed at most once a second
         self._children: dict[tuple, Any] = {}  # (id(metric), label values) -> child, see _child
+        # set_state's gauges: the value this process last wrote to each child (see _set)
+        self._written: dict[Any, float] = {}
+        self._written_lock = threading.Lock()
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, looked up once per label tuple: ``labels`` validates the values and takes
@@ -192,6 +197,16 @@ class Metrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def _set(self, child: Any, value: float) -> None:
+        """``child.set(value)`` unless this process last wrote the same value to it: the exported value is
+        then unchanged (in multiprocess mode it is this process's file, which only this process writes).
+        set_state runs on request threads and the verifier's: check, write and remember under one lock, so
+        the remembered value is always the one written last."""
+        with self._written_lock:
+            if self._written.get(child, _UNWRITTEN) != value:
+                child.set(value)
+                self._written[child] = value
 
     # ------------------------------------------------------------ recording
 
@@ -263,20 +278,20 @@ class Metrics:
         ``pool.stats()`` when given, else the ``pool_stats`` callable)."""
         f, m = origin.face, origin.model
         if store is not None:
-            self._child(self.sessions, f, m).set(len(store))
-            self._child(self.session_bytes, f, m).set(store.nbytes)
-            self._child(self.session_budget, f, m).set(store.max_bytes or 0)
+            self._set(self._child(self.sessions, f, m), len(store))
+            self._set(self._child(self.session_bytes, f, m), store.nbytes)
+            self._set(self._child(self.session_budget, f, m), store.max_bytes or 0)
         if verifier is not None:
-            self._child(self.verifier_queue, f, m).set(verifier.queue_depth)
+            self._set(self._child(self.verifier_queue, f, m), verifier.queue_depth)
         if dropped_delta:
             self._child(self.verifier_dropped, f, m).inc(dropped_delta)
         if tokenizer is not None:
             q = getattr(tokenizer, "quarantined", {})
             for route in FAST_ROUTES:
-                self._child(self.quarantined, f, m, route).set(1 if route in q else 0)
+                self._set(self._child(self.quarantined, f, m, route), 1 if route in q else 0)
             idx = getattr(tokenizer, "prefix_index", None)
             if idx is not None:
-                self._child(self.prefix_index_bytes, f, m).set(getattr(idx, "nbytes", 0))
+                self._set(self._child(self.prefix_index_bytes, f, m), getattr(idx, "nbytes", 0))
         self._set_pool(origin, pool)
 
     def _set_pool(self, origin: Origin, pool: Any = None) -> None:
