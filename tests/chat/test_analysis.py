@@ -32,7 +32,8 @@ def test_qwen3_structure():
     ("{{ bos_token }}{% if tools %}{{ tools|tojson }}{% endif %}", [True]),
     ("{% set x = messages|length %}{{ x }}", [False, True]),
     ("{% if true %}{% set x = 1 %}{% endif %}{{ messages[0].content }}", [False, True]),
-    ("{% set ns = namespace(a=1) %}{% set ns.a = 2 %}{{ strftime_now('%d') }}{% if x %}{{ messages|length }}{% endif %}",
+    (("{% set ns = namespace(a=1) %}{% set ns.a = 2 %}{{ strftime_now('%d') }}"
+      "{% if x %}{{ messages|length }}{% endif %}"),
      [False, True]),
     ("{{ strftime_now('%d') }}{{ [1, 2]|random }}{{ messages.pop() }}", [False]),
 ])

@@ -240,7 +240,8 @@ _LOOP = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_en
     # the last message by a negative index (the length, and k == n): steps 3 and 6
     ("{{ messages[-1].role }}\n", 2),
     # a name set before it (the length) and messages[1]: steps 3 and 6 (step 8 changed message 1)
-    ("{% set n = messages|length %}{{ n }}{% if messages[1] is defined %}{{ messages[1].content[:3] }}{% endif %}\n", 2),
+    (("{% set n = messages|length %}{{ n }}{% if messages[1] is defined %}{{ messages[1].content[:3] }}"
+      "{% endif %}\n"), 2),
 ])
 def test_reusable_plain_segments(prologue, reused, folder):
     """Analysis O7: a plain statement's output is reused exactly when what it read is unchanged (tools,

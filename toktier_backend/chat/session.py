@@ -824,7 +824,8 @@ class ChatSession:
         if not self.plan.incremental:
             return self._full_path(messages, options, snaps, chat, "template: " + self.plan.reason)
         variables = {**self.reference.special_tokens, **self._plain_kept("kwargs", kwargs)}
-        base = dict(messages=chat, tools=self._plain_kept("tools", tools), documents=self._plain_kept("documents", documents),
+        base = dict(messages=chat, tools=self._plain_kept("tools", tools),
+                    documents=self._plain_kept("documents", documents),
                     add_generation_prompt=bool(add_generation_prompt), **variables)
         try:
             pieces, memos = self._render_segments(chat, k, base)
