@@ -222,8 +222,8 @@ def _plan(env, root) -> Plan:
     return plan
 
 
-_BINDS = ("Assign", "AssignBlock", "NSRef", "Macro", "CallBlock", "With", "Include", "Import", "FromImport",
-          "Extends", "Block", "ScopedEvalContextModifier", "EvalContextModifier", "OverlayScope")
+# what O7 refuses inside a statement: the root-level binders of O1, and every kind of assignment or scope
+_BINDS = frozenset(_ROOT_UNSUPPORTED) | {"Assign", "AssignBlock", "NSRef", "With", "EvalContextModifier"}
 
 
 def _plain_segments(env, stmts, aliases) -> list:
@@ -618,17 +618,32 @@ def order_observed(order_paths, path: tuple) -> bool:
 # ---------------------------------------------------------------- O5: inlining total local expressions
 
 
+def _loop_attr_name(expr) -> str | None:
+    """``attr`` when ``expr`` is ``loop.<attr>``, else ``None``."""
+    from jinja2 import nodes
+
+    if isinstance(expr, nodes.Getattr) and isinstance(expr.node, nodes.Name) and expr.node.name == "loop":
+        return expr.attr
+    return None
+
+
+def _messages_length(expr) -> bool:
+    """Is ``expr`` ``messages|length`` (no arguments)?"""
+    from jinja2 import nodes
+
+    return (isinstance(expr, nodes.Filter) and expr.name == "length" and isinstance(expr.node, nodes.Name)
+            and expr.node.name == "messages" and not (expr.args or expr.kwargs or expr.dyn_args or expr.dyn_kwargs))
+
+
 def _total(expr) -> bool:
     from jinja2 import nodes
 
     if isinstance(expr, nodes.Const):
         return type(expr.value) is int
     if isinstance(expr, nodes.Getattr):
-        return isinstance(expr.node, nodes.Name) and expr.node.name == "loop" and expr.attr in (
-            "index0", "index", "revindex0", "revindex", "length")
+        return _loop_attr_name(expr) in ("index0", "index", "revindex0", "revindex", "length")
     if isinstance(expr, nodes.Filter):
-        return (expr.name == "length" and isinstance(expr.node, nodes.Name) and expr.node.name == "messages"
-                and not (expr.args or expr.kwargs or expr.dyn_args or expr.dyn_kwargs))
+        return _messages_length(expr)
     if isinstance(expr, (nodes.Add, nodes.Sub, nodes.Mul)):
         return _total(expr.left) and _total(expr.right)
     if isinstance(expr, (nodes.Neg, nodes.Pos)):
@@ -662,16 +677,11 @@ def _rewrite_positions(body: list) -> list:
     if any(n.name in ("messages", "loop") and n.ctx != "load" for n in wrapper.find_all(nodes.Name)):
         return body
 
-    def length(e):
-        return (isinstance(e, nodes.Filter) and e.name == "length" and isinstance(e.node, nodes.Name)
-                and e.node.name == "messages" and not (e.args or e.kwargs or e.dyn_args or e.dyn_kwargs))
-
     def one(e):
         return isinstance(e, nodes.Const) and type(e.value) is int and e.value == 1
 
     def index0(e):
-        return (isinstance(e, nodes.Getattr) and isinstance(e.node, nodes.Name) and e.node.name == "loop"
-                and e.attr == "index0")
+        return _loop_attr_name(e) == "index0"
 
     class Rewrite(NodeTransformer):
         def visit_For(self, node):  # noqa: N802 - inside, ``loop`` is the nested loop's
@@ -680,7 +690,7 @@ def _rewrite_positions(body: list) -> list:
         def visit_Sub(self, node):  # noqa: N802
             node = self.generic_visit(node)
             a = node.left
-            if isinstance(a, nodes.Sub) and length(a.left) and (
+            if isinstance(a, nodes.Sub) and _messages_length(a.left) and (
                     (one(a.right) and index0(node.right)) or (index0(a.right) and one(node.right))):
                 return nodes.Getattr(nodes.Name("loop", "load"), "revindex0", "load").set_lineno(node.lineno)
             return node
@@ -740,8 +750,6 @@ def _inlinable(body, i, name) -> bool:
 
 def _substitute(stmt, name, expr):
     import copy
-
-    from jinja2 import nodes
 
     from jinja2.visitor import NodeTransformer
 
