@@ -104,7 +104,7 @@ class Compiled:
     ``new_context(variables)`` returns the context ``template.new_context(variables)`` returns (jinja2 3.1
     ``runtime.new_context`` with ``shared=False``, no locals: ``Context(environment, dict(globals,
     **variables), name, blocks, globals=globals)``), from a dict copy of the globals taken here. Equal
-    because the sandbox's globals are set when its environment is built (``template.sandbox_environment``)
+    because the sandbox's globals are set when its environment is built (``template.segment_environment``)
     and never changed after, and a template compiled from a node has no globals of its own. Iterating a
     ``ChainMap`` runs in Python, key by key, twice per context (the parent dict and ``globals_keys``).
     """
@@ -175,9 +175,9 @@ def analyze(source: str) -> Plan:
     """
     import jinja2
 
-    from toktier_backend.chat.template import sandbox_environment
+    from toktier_backend.chat.template import segment_environment
 
-    env = sandbox_environment()
+    env = segment_environment()  # the full render's configuration; its own getattr (template.PlainFastSandbox)
     try:
         root = env.parse(source)
     except jinja2.TemplateError as e:

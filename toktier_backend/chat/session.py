@@ -162,8 +162,10 @@ def _n_sensitive(form: IterForm) -> tuple[frozenset, str]:
     return frozenset({"revindex0", "revindex", "length"}), "last"
 
 
-class _RecLoop:
-    """``loop`` for one iteration; every attribute read is recorded in the iteration's record."""
+class _RecLoop(_t.SandboxPlain):
+    """``loop`` for one iteration; every attribute read is recorded in the iteration's record. Its public
+    attributes are ints, bools, message dicts, ``Undefined`` and the methods ``cycle``/``changed``
+    (:class:`.template.SandboxPlain`'s contract)."""
 
     __slots__ = ("_rec", "_p", "_n", "_form", "_items", "_undefined")
     depth = 1
@@ -645,8 +647,8 @@ class ChatSession:
             self._full = self.reference
         self.stats: Counter = Counter()
         self._ns_class = _recording_namespace_class()
-        self._undefined = _t.sandbox_environment().undefined
-        self._compare = _comparer(self._ns_class, _t.sandbox_environment().getattr)
+        self._undefined = _t.segment_environment().undefined
+        self._compare = _comparer(self._ns_class, _t.segment_environment().getattr)
         self.reset()
 
     def reset(self) -> None:

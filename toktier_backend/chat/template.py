@@ -108,12 +108,108 @@ def _template_from_json(path: Path, data: dict) -> str | None:
 
 @lru_cache(maxsize=1)
 def sandbox_environment():
-    """The one jinja2 environment every chat template is compiled in (see the module docstring)."""
+    """The jinja2 environment every chat template's full render runs in (see the module docstring): stock
+    ``ImmutableSandboxedEnvironment``, the reference for every other path."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return _configured(ImmutableSandboxedEnvironment)
+
+
+@lru_cache(maxsize=1)
+def segment_environment():
+    """The environment :mod:`.analysis` compiles a template's segments in (incremental rendering): the same
+    configuration, filters, tests and globals (the same objects) as :func:`sandbox_environment`, with
+    :class:`PlainFastSandbox`'s ``getattr``, which returns what the stock sandbox returns."""
+    return _configured(_plain_fast_sandbox_class())
+
+
+class SandboxPlain:
+    """Base class of objects whose public attributes the sandbox always allows (the session's recording
+    ``loop``). A subclass must hold: no attribute whose name does not start with ``_`` is a bound
+    ``str.format``/``str.format_map``, and the class is no ``list``/``dict``/``set``/``deque`` (nor one of
+    their ABCs), function, method, type, code, frame, traceback, generator or coroutine. Then jinja2's
+    ``SandboxedEnvironment.getattr`` returns ``getattr(obj, name)`` whenever that succeeds (jinja2 3.1:
+    ``wrap_str_format`` gives ``None``, ``is_safe_attribute`` holds)."""
+
+    __slots__ = ()
+
+
+# names ``getattr(d, name)`` finds on an exact ``dict`` instance: its type's MRO (a dict has no instance
+# ``__dict__`` and its type no ``__getattr__``); for every other name it raises ``AttributeError``
+DICT_ATTRIBUTES = frozenset(name for cls in dict.__mro__ for name in vars(cls))
+
+
+@lru_cache(maxsize=1)
+def _plain_fast_sandbox_class():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class PlainFastSandbox(ImmutableSandboxedEnvironment):
+        """``ImmutableSandboxedEnvironment`` whose ``getattr`` returns early, with the value the stock one
+        returns, where jinja2 3.1's ``SandboxedEnvironment.getattr`` is known to take one path:
+
+        - an exact ``dict`` and a ``str`` name not in :data:`DICT_ATTRIBUTES`: ``getattr`` raises
+          ``AttributeError``, so the stock code returns ``obj[name]``, or ``undefined(obj=obj, name=name)`` if
+          that raises ``TypeError`` or ``LookupError`` (as here);
+        - an exact ``str`` and a name without a leading ``_``, other than ``format``/``format_map``: on
+          success the stock code returns the value (``wrap_str_format`` matches only ``format`` and
+          ``format_map``: a ``str`` method's ``__name__`` is its name, asserted in the tests;
+          ``is_safe_attribute`` holds: a ``str`` is none of the internal or mutable types);
+        - a :class:`SandboxPlain` and a name without a leading ``_``: on success, by that class's contract.
+
+        Anything else, and every ``AttributeError`` of the last two cases, takes the stock path.
+
+        ``call`` of a ``str`` method (a builtin method bound to an exact ``str``) calls it directly: the stock
+        ``SandboxedEnvironment.call`` finds it safe (a builtin method has no ``unsafe_callable`` or
+        ``alters_data`` attribute), then ``Context.call`` finds no ``jinja_pass_arg`` on it or its
+        ``__call__``, drops the ``_loop_vars``/``_block_vars`` keywords and calls it, mapping a
+        ``StopIteration`` (which no ``str`` method raises) to an undefined.
+        """
+
+        def getattr(self, obj, attribute):
+            t = type(obj)
+            if type(attribute) is str:
+                if t is dict:
+                    if attribute not in DICT_ATTRIBUTES:
+                        try:
+                            return obj[attribute]
+                        except (TypeError, LookupError):
+                            return self.undefined(obj=obj, name=attribute)
+                elif (t is str and attribute[:1] != "_" and attribute != "format" and attribute != "format_map") or (
+                        isinstance(obj, SandboxPlain) and attribute[:1] != "_"):
+                    try:
+                        return getattr(obj, attribute)
+                    except AttributeError:
+                        pass
+            return super().getattr(obj, attribute)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - names as the stock method's
+            if type(__obj) is _BUILTIN_METHOD and type(__obj.__self__) is str:
+                kwargs.pop("_loop_vars", None)
+                kwargs.pop("_block_vars", None)
+                return __obj(*args, **kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    return PlainFastSandbox
+
+
+_BUILTIN_METHOD = type("".strip)
+
+
+def _configured(cls):
+    """An instance of ``cls`` (an ``ImmutableSandboxedEnvironment``) set up as transformers does."""
     import jinja2
+
+    env = cls(trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag(), jinja2.ext.loopcontrols])
+    filters, globals_ = _additions()
+    env.filters.update(filters)
+    env.globals.update(globals_)
+    return env
+
+
+@lru_cache(maxsize=1)
+def _generation_tag():
     import jinja2.ext
     import jinja2.nodes
-    import jinja2.utils
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationTag(jinja2.ext.Extension):
         """``{% generation %}…{% endgeneration %}`` renders its body (assistant-mask tracking is not needed)."""
@@ -127,6 +223,15 @@ def sandbox_environment():
 
         def _body(self, caller):
             return caller()
+
+    return GenerationTag
+
+
+@lru_cache(maxsize=1)
+def _additions() -> tuple[dict, dict]:
+    """(filters, globals) added to jinja2's defaults: one set of objects for every environment."""
+    import jinja2.exceptions
+    import jinja2.utils
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -160,13 +265,9 @@ def sandbox_environment():
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=SafeDict(),
-                       namespace=SafeNamespace)
-    return env
+    return ({"tojson": tojson},
+            {"raise_exception": raise_exception, "strftime_now": strftime_now, "dict": SafeDict(),
+             "namespace": SafeNamespace})
 
 
 @lru_cache(maxsize=16)
