@@ -137,6 +137,7 @@ class LoopSegment:
     body: Compiled  # the (inlined) body
     free: frozenset[str]
     uses_messages: bool
+    outer_names: tuple[str, ...] = ()  # ``free`` less the target, ``loop`` and ``messages``, sorted (O3)
 
 
 @dataclass
@@ -389,7 +390,8 @@ def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
     if alias is not None and alias in free:
         raise _NotIncremental(f"the loop body at {where} reads {alias!r} (O3: only messages is modelled)")
     return LoopSegment(target=node.target.name, alias=alias, forms=forms, body=Compiled(env.from_string(tmpl_node)),
-                       free=free, uses_messages=uses_messages)
+                       free=free, uses_messages=uses_messages,
+                       outer_names=tuple(sorted(free - {node.target.name, "loop", "messages"})))
 
 
 def _outside_nested_loops(stmts, kinds):

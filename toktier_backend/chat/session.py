@@ -154,12 +154,10 @@ def _loop_attr(attr: str, p: int, n: int, form: IterForm):
     raise KeyError(attr)
 
 
-def _n_sensitive(form: IterForm) -> tuple[frozenset, str]:
-    """(attributes whose value at a fixed position depends on the length, the edge attribute among them that
-    changes only at the old and new last positions)."""
-    if form.reverse:
-        return frozenset({"index0", "index", "length"}), "first"
-    return frozenset({"revindex0", "revindex", "length"}), "last"
+# by ``IterForm.reverse``: (attributes whose value at a fixed position depends on the length, the edge
+# attribute among them that changes only at the old and new last positions)
+_N_SENSITIVE = {True: (frozenset({"index0", "index", "length"}), "first"),
+                False: (frozenset({"revindex0", "revindex", "length"}), "last")}
 
 
 class _RecLoop(_t.SandboxPlain):
@@ -647,6 +645,9 @@ class ChatSession:
             self._full = self.reference
         self.stats: Counter = Counter()
         self._ns_class = _recording_namespace_class()
+        from jinja2.utils import Namespace
+
+        self._namespace = Namespace
         self._undefined = _t.segment_environment().undefined
         self._compare = _comparer(self._ns_class, _t.segment_environment().getattr)
         self.reset()
@@ -1062,16 +1063,15 @@ class ChatSession:
         raise _Fallback(f"{seg.alias} is not one of its analysed forms")
 
     def _run_loop(self, seg: LoopSegment, chat, k, variables, old: _Memo | None) -> _Memo:
-        from jinja2.utils import Namespace
-
         n = len(chat)
         form = self._form(seg, chat, variables)
         ns_names, outer = [], {}
-        for name in sorted(seg.free - {seg.target, "loop", "messages"}):
+        namespace = self._namespace
+        for name in seg.outer_names:
             if name not in variables:
                 continue
             v = variables[name]
-            if isinstance(v, Namespace):
+            if isinstance(v, namespace):
                 ns_names.append(name)
             elif _plain_value(v):
                 outer[name] = v
@@ -1096,7 +1096,7 @@ class ChatSession:
         end = -1 if form.reverse else n
         limit = min(k, n, old.n) if old is not None else 0  # positions < limit have a record for the same message
         bad_la = self._bad_lookahead(old, k, limit) if old is not None else []
-        nsens_attrs, edge = _n_sensitive(form)
+        nsens_attrs, edge = _N_SENSITIVE[form.reverse]
         body, target = seg.body, seg.target
         ns_class, undefined = self._ns_class, self._undefined
         compare = self._compare
@@ -1132,9 +1132,8 @@ class ChatSession:
             ctx_vars[COMPARE] = compare
             ctx = body.new_context(ctx_vars)
             rec.out = "".join(body.root_render_func(ctx))
-            for a in rec.loop_reads:
-                if a in nsens_attrs:
-                    rec.nsens = True
+            if not nsens_attrs.isdisjoint(rec.loop_reads):
+                rec.nsens = True
             build.add(p, rec)
             rendered += 1
             p += step
