@@ -9,9 +9,13 @@ import pytest
 from jinja2.runtime import Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tests.chat.test_session import Checker, _files
 from tests.chat.corpus import conversation
-from toktier_backend.chat.template import DICT_ATTRIBUTES, SandboxPlain, segment_environment
+from tests.chat.test_session import Checker, _files
+from toktier_backend.chat.template import (
+    DICT_ATTRIBUTES,
+    SandboxPlain,
+    segment_environment,
+)
 
 NAMES = ["content", "role", "items", "keys", "get", "pop", "update", "clear", "setdefault", "copy", "fromkeys",
          "format", "format_map", "strip", "split", "upper", "startswith", "__class__", "__dict__", "__init__",

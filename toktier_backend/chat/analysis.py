@@ -1,7 +1,7 @@
 """Static analysis of a chat template: may it be rendered one ``messages`` iteration at a time?
 
-:func:`analyze` parses the template (``Environment.parse``, the same environment the full render uses) and
-splits the root's statements into *segments*, in order:
+:func:`analyze` parses the template (``Environment.parse`` in ``template.segment_environment()``, the full
+render's configuration) and splits the root's statements into *segments*, in order:
 
 - a **loop segment** is a root-level ``{% for x in <messages form> %}`` whose iterable is ``messages``,
   ``messages[c:]``, ``messages[::-1]``, ``messages|reverse``, or a root-level name assigned only such forms

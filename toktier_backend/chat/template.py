@@ -7,7 +7,10 @@ A chat template is untrusted code (it comes with the model), so it runs in jinja
 ``strftime_now``, and ``namespace``/``dict`` that refuse underscore-prefixed names. Everything the template
 sees is rebuilt from plain JSON types first. The variables are ``messages``, ``tools``, ``documents``,
 ``add_generation_prompt``, the special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``, …)
-and any extra keyword (``enable_thinking``, …).
+and any extra keyword (``enable_thinking``, …). Incremental rendering compiles a template's segments in a
+twin of that environment (:func:`segment_environment`) whose attribute reads and calls return what the stock
+sandbox returns, with its checks skipped only where they are proven to pass (:class:`SandboxPlain`, and the
+``PlainFastSandbox`` class built by ``_plain_fast_sandbox_class``).
 
 The rendered text is then tokenized with ``add_special_tokens=False`` (the template writes the special
 tokens itself), as ``apply_chat_template(tokenize=True)`` does.
@@ -182,12 +185,12 @@ def _plain_fast_sandbox_class():
                         pass
             return super().getattr(obj, attribute)
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - names as the stock method's
-            if type(__obj) is _BUILTIN_METHOD and type(__obj.__self__) is str:
+        def call(self, context, obj, /, *args, **kwargs):  # positional-only: any keyword goes to obj
+            if type(obj) is _BUILTIN_METHOD and type(obj.__self__) is str:
                 kwargs.pop("_loop_vars", None)
                 kwargs.pop("_block_vars", None)
-                return __obj(*args, **kwargs)
-            return super().call(__context, __obj, *args, **kwargs)
+                return obj(*args, **kwargs)
+            return super().call(context, obj, *args, **kwargs)
 
     return PlainFastSandbox
 
