@@ -167,10 +167,16 @@ class TokenBuffer:
         self._shown = shown
         self._ids[start : start + len(new_ids)] = new_ids
         if self._ends is not None:
-            base = self._ends[keep - 1] if keep else np.int32(0)
-            ends = self._ends[keep : keep + len(new_ids)]
-            np.cumsum(token_nbytes[new_ids], out=ends)
-            ends += base
+            # ends[keep + i] = ends[keep - 1] + nbytes(new_ids[0..i]): the gathered sizes written after the
+            # last kept end, then one running sum over [last kept end, sizes...] in place (numpy defines an
+            # accumulate whose output is its input as the same without overlap); the kept end is unchanged
+            if keep:
+                ends = self._ends[keep - 1 : keep + len(new_ids)]
+                token_nbytes.take(new_ids, out=ends[1:])
+            else:
+                ends = self._ends[: len(new_ids)]
+                token_nbytes.take(new_ids, out=ends)
+            np.add.accumulate(ends, out=ends)
         self._n = keep + len(new_ids)
         if s:
             self._ids[p + self._n : p + self._n + s] = self._suffix
