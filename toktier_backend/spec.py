@@ -115,8 +115,10 @@ class TokenizerSpec:
         ``"<|im_end|>" + U+0338`` stays two segments, while NFC of the whole string would compose
         ``">" + U+0338`` into ``"≯"``.
         """
+        if not self._normalizer_touches_ascii and text.isascii():
+            return len(text)  # one byte per ASCII char, which the normalizer leaves as it is
         norm = self.reference.normalizer
-        if norm is None or (not self._normalizer_touches_ascii and text.isascii()):
+        if norm is None:
             return len(text.encode("utf-8"))
         if self._normalizer_is_nfc and _nfc_identity(text):  # Qwen: most agent text is NFC already
             return len(text.encode("utf-8"))

@@ -35,6 +35,8 @@ import numpy as np
 
 #: Most slots a buffer grows by at once (bounds the unused capacity per session: 8 bytes per slot).
 GROW_MAX = 4096
+#: Last tokens :meth:`TokenBuffer.tokens_before` searches first.
+_NEAR = 256
 
 
 def _refs(buf: "TokenBuffer") -> int:
@@ -61,7 +63,7 @@ class TokenBuffer:
     Invariant: every view returned by :meth:`ids` keeps the values it had when it was returned.
     """
 
-    __slots__ = ("_ids", "_ends", "_n", "_prefix", "_suffix", "_shown", "_grow_max")
+    __slots__ = ("_ids", "_ends", "_n", "_body_nb", "_prefix", "_suffix", "_shown", "_grow_max")
 
     def __init__(self, prefix: np.ndarray, suffix: np.ndarray, capacity: int = 16, *, offsets: bool = True,
                  grow_max: int | None = GROW_MAX):
@@ -73,6 +75,7 @@ class TokenBuffer:
         self._ends = np.empty(cap, dtype=np.int32) if offsets else None
         self._ids[: len(prefix)] = prefix
         self._n = 0  # body tokens
+        self._body_nb = 0  # ends[_n - 1] as a Python int (0 when empty): set by splice
         self._shown = 0  # longest view handed out of the current ids array (slots)
 
     @property
@@ -86,7 +89,7 @@ class TokenBuffer:
     @property
     def body_nbytes(self) -> int:
         """Normalized UTF-8 bytes covered by the body tokens."""
-        return int(self._ends[self._n - 1]) if self._n else 0
+        return self._body_nb
 
     def body_nbytes_before(self, keep: int) -> int:
         """Normalized UTF-8 bytes covered by the first ``keep`` body tokens."""
@@ -120,8 +123,13 @@ class TokenBuffer:
         # bisect over a memoryview of the ends (non-decreasing): each probe reads one int32 as a Python int,
         # with no numpy call per request (cost: docs/design/served_path.md). The view is released on
         # return, so it never blocks the ndarray.resize of a later splice.
+        # The cut sought is usually among the last tokens: when every end before the last NEAR lies at or
+        # before ``nbytes`` (ends[n - NEAR - 1] <= nbytes, the ends being non-decreasing), the bisection
+        # over the last NEAR gives the same index as over all of them, and touches 1 KiB, not the array.
         with memoryview(self._ends) as ends:
-            k = bisect.bisect_right(ends, nbytes, 0, self._n)
+            n = self._n
+            lo = n - _NEAR if n > _NEAR and ends[n - _NEAR - 1] <= nbytes else 0
+            k = bisect.bisect_right(ends, nbytes, lo, n)
             return k if k > 0 and ends[k - 1] == nbytes else None
 
     def splice(self, keep: int, new_ids: np.ndarray, token_nbytes: np.ndarray | None = None) -> None:
@@ -177,6 +185,7 @@ class TokenBuffer:
                 ends = self._ends[: len(new_ids)]
                 token_nbytes.take(new_ids, out=ends)
             np.add.accumulate(ends, out=ends)
+            self._body_nb = int(ends[-1]) if len(ends) else 0
         self._n = keep + len(new_ids)
         if s:
             self._ids[p + self._n : p + self._n + s] = self._suffix
