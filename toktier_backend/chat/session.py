@@ -46,7 +46,7 @@ from itertools import repeat
 from typing import Any, Mapping
 
 from toktier_backend.chat import template as _t
-from toktier_backend.chat.analysis import COMPARE, IterForm, LoopSegment, Plan, analyze, order_observed
+from toktier_backend.chat.analysis import COMPARE, IterForm, LoopSegment, PlainSegment, Plan, analyze, order_observed
 from toktier_backend.errors import InvalidRequest
 
 
@@ -997,8 +997,6 @@ class ChatSession:
     # ------------------------------------------------------------ segments
 
     def _render_segments(self, chat, k, variables):
-        from toktier_backend.chat.analysis import PlainSegment
-
         old_memos = self._memos
         pieces: list = []
         memos: list = []

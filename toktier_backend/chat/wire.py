@@ -59,6 +59,7 @@ import re
 from typing import Any, NamedTuple
 
 from toktier_backend import jsonio
+from toktier_backend.errors import InvalidRequest
 
 try:
     import orjson as _orjson
@@ -388,8 +389,6 @@ def parse_messages(raw: Any, what: str = "messages") -> list:
     Raises:
         InvalidRequest: not bytes or str, not JSON, or not a JSON array of objects.
     """
-    from toktier_backend.errors import InvalidRequest
-
     if not isinstance(raw, (bytes, bytearray, memoryview, str)):
         raise InvalidRequest(f"{what} must be UTF-8 JSON bytes, got {type(raw).__name__}.")
     try:
