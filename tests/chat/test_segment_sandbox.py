@@ -11,11 +11,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tests.chat.corpus import conversation
 from tests.chat.test_session import Checker, _files
-from toktier_backend.chat.template import (
-    DICT_ATTRIBUTES,
-    SandboxPlain,
-    segment_environment,
-)
+from toktier_backend.chat.template import DICT_ATTRIBUTES, SandboxPlain, plain_fast_sandbox, segment_environment
 
 NAMES = ["content", "role", "items", "keys", "get", "pop", "update", "clear", "setdefault", "copy", "fromkeys",
          "format", "format_map", "strip", "split", "upper", "startswith", "__class__", "__dict__", "__init__",
@@ -70,10 +66,19 @@ def _outcome(env, obj, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_getattr_equals_the_stock_sandbox(name):
-    fast, stock = segment_environment(), ImmutableSandboxedEnvironment()
+    fast, stock = plain_fast_sandbox(), ImmutableSandboxedEnvironment()
     for obj in _objects():
         got, want = _outcome(fast, obj, name), _outcome(stock, obj, name)
         assert _same(got, want), (obj, name, got, want)
+
+
+def test_segments_use_the_fast_class_under_the_jinja2_it_was_proven_for():
+    import jinja2
+
+    assert jinja2.__version__.startswith("3.1.")  # the version the tests run on (pyproject.toml: >= 3.1.6)
+    assert segment_environment() is plain_fast_sandbox()
+    assert type(plain_fast_sandbox()).__name__ == "PlainFastSandbox"
+    assert type(plain_fast_sandbox()).__mro__[1] is ImmutableSandboxedEnvironment
 
 
 def test_the_fast_paths_assumptions():
@@ -92,7 +97,7 @@ def test_the_fast_paths_assumptions():
 def test_call_equals_the_stock_sandbox():
     from jinja2 import Template
 
-    fast, stock = segment_environment(), ImmutableSandboxedEnvironment()
+    fast, stock = plain_fast_sandbox(), ImmutableSandboxedEnvironment()
     ctx = Template("x").new_context({})
     for f, args, kw in [(" a b ".strip, (), {}), ("a,b".split, (",",), {"_loop_vars": {}}),
                         ("abc".startswith, ("a",), {"_block_vars": {}}), ("{0}".format, (1,), {}),

@@ -121,8 +121,21 @@ def sandbox_environment():
 @lru_cache(maxsize=1)
 def segment_environment():
     """The environment :mod:`.analysis` compiles a template's segments in (incremental rendering): the same
-    configuration, filters, tests and globals (the same objects) as :func:`sandbox_environment`, with
-    :class:`PlainFastSandbox`'s ``getattr``, which returns what the stock sandbox returns."""
+    configuration, filters, tests and globals (the same objects) as :func:`sandbox_environment`, as a
+    ``PlainFastSandbox`` (``_plain_fast_sandbox_class``), whose ``getattr`` and ``call`` return what the stock
+    sandbox's return. Its proofs read jinja2 3.1's code: under any other jinja2 version the segments use the
+    stock class."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    proven = jinja2.__version__.split(".")[:2] == ["3", "1"]
+    return plain_fast_sandbox() if proven else _configured(ImmutableSandboxedEnvironment)
+
+
+@lru_cache(maxsize=1)
+def plain_fast_sandbox():
+    """A ``PlainFastSandbox`` configured as :func:`sandbox_environment` (what :func:`segment_environment`
+    returns under jinja2 3.1)."""
     return _configured(_plain_fast_sandbox_class())
 
 
