@@ -72,12 +72,19 @@ def test_capacity_smoke(tmp_path):
     for r in rows:
         assert int(r["n"]) > 0 and int(r["errors"]) == 0 and int(r["unfinished"]) == 0, r
         assert float(r["p99_ms"]) != round(float(r["p99_ms"]))  # exact floats, not Locust's rounded buckets
-    kinds = json.loads(rows[1]["kinds"])
-    assert {"open", "turn"} <= set(kinds), kinds  # sessions were opened and then sent delta turns
+    def kinds(*steps) -> set:
+        return set().union(*(json.loads(r["kinds"]) for r in steps))
+
+    # sessions were opened and then sent delta turns: over the route's probe and step (a 3 s step of ~50
+    # requests holds no open in about one run of ten: about one request in 22 opens a session here)
+    assert {"open", "turn"} <= kinds(rows[0], rows[1]) and "turn" in kinds(rows[1]), rows[:2]
+    assert kinds(rows[1]) <= {"open", "turn"}, rows[1]
     assert float(rows[3]["mean_chars_sent"]) > 20_000  # stateless: the whole context every time
     assert float(rows[1]["mean_chars_sent"]) < float(rows[3]["mean_chars_sent"])
     assert float(rows[5]["mean_chars_sent"]) > 20_000  # stateless_fast: the whole context too
-    assert {"open", "turn"} <= set(json.loads(rows[7]["kinds"]))  # noop: the session traffic, same shape
+    # noop: the session traffic, same shape
+    assert {"open", "turn"} <= kinds(rows[6], rows[7]) and "turn" in kinds(rows[7]), rows[6:]
+    assert kinds(rows[7]) <= {"open", "turn"}, rows[7]
 
     for name in ("p99_vs_offered.png", "throughput_vs_offered.png"):
         data = (tmp_path / name).read_bytes()
