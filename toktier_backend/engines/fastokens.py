@@ -14,6 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
+#: fastokens' ids: little-endian uint32 (< 2**31), read as int32 with the same bits
+_IDS = np.dtype("<i4")
+
 #: fastokens' helper threads (``FASTOKENS_BPE_THREADS``, read once, at the process's first fastokens encode)
 #: are off unless the user set the variable: our pool runs every core's share of a long text, as pieces cut
 #: at stable cuts (``pipeline/chunked.py``). Set by ``setdefault``: a process that sets it keeps its value
@@ -77,7 +80,7 @@ class FastokensEngine:
             UnicodeEncodeError: ``text`` holds a lone surrogate (``e.start`` is its char index).
         """
         ids, _offsets = self._tok.encode_batch_flat([text])
-        return np.frombuffer(ids, dtype="<u4").view(np.int32)
+        return np.frombuffer(ids, dtype=_IDS)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """:meth:`encode` of each text, in order (one call each: a batch call would return one flat buffer

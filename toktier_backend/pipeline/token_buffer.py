@@ -110,7 +110,7 @@ class TokenBuffer:
         change the values it shows (module docstring: copy-on-write)."""
         n = len(self._prefix) + self._n + len(self._suffix)
         v = self._ids[:n]
-        v.flags.writeable = False
+        v.setflags(write=False)
         if n > self._shown:
             self._shown = n
         return v
