@@ -11,11 +11,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tests.chat.corpus import conversation
 from tests.chat.test_session import Checker, _files
-from toktier_backend.chat.template import DICT_ATTRIBUTES, SandboxPlain, plain_fast_sandbox, segment_environment
+from toktier_backend.chat.template import (DICT_ATTRIBUTES, SandboxPlain, fast_sandbox_proven, plain_fast_sandbox,
+                                           segment_environment)
 
 NAMES = ["content", "role", "items", "keys", "get", "pop", "update", "clear", "setdefault", "copy", "fromkeys",
          "format", "format_map", "strip", "split", "upper", "startswith", "__class__", "__dict__", "__init__",
-         "_x", "mro", "__len__", "missing", "value", "cycle", "first", ""]
+         "_x", "mro", "__len__", "missing", "value", "cycle", "first", "", "maketrans", "join", "translate",
+         "__self__", "__globals__", "gi_frame", "depth", "depth0", "previtem", "nextitem", "changed", "last",
+         "index0", "fmt", 1, None]
 
 
 class _Plain(SandboxPlain):
@@ -33,10 +36,40 @@ class _Plain(SandboxPlain):
         return args[0]
 
 
-def _objects():
-    from jinja2.utils import Namespace
+class _Dict(dict):
+    def __missing__(self, key):
+        return "missing " + str(key)
 
-    return [
+
+class _Str(str):
+    def format(self, *args, **kwargs):  # noqa: A003 - a str subclass's own format
+        return "own format"
+
+
+class _Liar:
+    """An object that claims to be a SandboxPlain through ``__class__`` (not through its type)."""
+
+    fmt = "{0}".format
+
+    @property
+    def __class__(self):  # noqa: PLE0307 - the spoof under test
+        return _Plain
+
+
+def _objects():
+    from collections import defaultdict
+
+    from jinja2.utils import Namespace
+    from markupsafe import Markup
+
+    from toktier_backend.chat.analysis import IterForm
+    from toktier_backend.chat.session import _Rec, _RecLoop
+
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    loops = [_RecLoop(_Rec(chat[p], p), p, 2, IterForm(0, False), chat, ImmutableSandboxedEnvironment().undefined)
+             for p in (0, 1)]
+    return [*loops, _Dict(items="key"), defaultdict(int, content="d"), _Str("{0}"), Markup("<b>{0}</b>"), _Liar(),
+            
         {"content": "hi", "role": "user", "items": "key named items", "get": 1, "format": "f", "_x": 2, "": 0},
         {}, {1: "int key"}, "some text", "", ["a", "b"], 7, 1.5, True, None, _Plain(), Namespace(content="ns"),
         Undefined(name="u"),
@@ -52,9 +85,16 @@ def _same(a, b) -> bool:
         # bound methods are new objects at each access: the same function of the same object; the
         # sandbox's str.format wrapper is a new closure: compare what it returns
         if getattr(a, "__name__", None) in ("format", "format_map") and getattr(a, "__self__", None) is None:
-            return getattr(b, "__name__", None) == a.__name__ and a({"a": 1}) == b({"a": 1})
+            return getattr(b, "__name__", None) == a.__name__ and _called(a) == _called(b)
         return a == b
     return type(a) is type(b) and a == b
+
+
+def _called(f):
+    try:
+        return f({"a": 1})
+    except Exception as e:  # noqa: BLE001 - the same error on both paths
+        return (type(e), str(e))
 
 
 def _outcome(env, obj, name):
@@ -72,10 +112,18 @@ def test_getattr_equals_the_stock_sandbox(name):
         assert _same(got, want), (obj, name, got, want)
 
 
+@pytest.mark.parametrize("version, proven", [("3.1.4", False), ("3.1.5", True), ("3.1.6", True), ("3.1.10", True),
+                                             ("3.2.0", False), ("4.0.0", False), ("3.0.3", False), ("13.1.6", False)])
+def test_the_fast_class_is_used_only_where_its_proofs_hold(version, proven):
+    """Before 3.1.5 the stock sandbox caught ``str.format`` in ``call``, not in ``getattr``: the fast ``call``
+    would let a raw ``format`` through there."""
+    assert fast_sandbox_proven(version) == proven
+
+
 def test_segments_use_the_fast_class_under_the_jinja2_it_was_proven_for():
     import jinja2
 
-    assert jinja2.__version__.startswith("3.1.")  # the version the tests run on (pyproject.toml: >= 3.1.6)
+    assert fast_sandbox_proven(jinja2.__version__)  # the version the tests run on (pyproject.toml: >= 3.1.6)
     assert segment_environment() is plain_fast_sandbox()
     assert type(plain_fast_sandbox()).__name__ == "PlainFastSandbox"
     assert type(plain_fast_sandbox()).__mro__[1] is ImmutableSandboxedEnvironment
@@ -107,6 +155,25 @@ def test_call_equals_the_stock_sandbox():
         fast.call(ctx, "a".strip, 1, 2)
     with pytest.raises(TypeError):
         stock.call(ctx, "a".strip, 1, 2)
+
+    class Stop:  # an argument that raises StopIteration inside a str method: an undefined on both paths
+        def __iter__(self):
+            raise StopIteration
+
+        def __index__(self):
+            raise StopIteration
+
+    for f, args in [("".join, (Stop(),)), ("ab".center, (Stop(),)), ("a b".split, (" ", Stop()))]:
+        got, want = fast.call(ctx, f, *args), stock.call(ctx, f, *args)
+        assert isinstance(got, Undefined) and _same(got, want), (f, got, want)
+
+
+def test_format_through_the_segments_is_the_sandboxed_one(folder):
+    """A template reaching for globals through ``str.format`` is refused on the incremental path too."""
+    template = "{%- for m in messages %}{{ '{0.__globals__[os]}'.format(raise_exception) }}{% endfor %}"
+    check = Checker("qwen2_5", folder, template=template)
+    conv = conversation("qwen2_5", _files()[1])[:3]
+    assert check.step(conv[:2]) is not None  # transformers raised (SecurityError), and so did we
 
 
 _ATTRS = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n"

@@ -123,13 +123,24 @@ def segment_environment():
     """The environment :mod:`.analysis` compiles a template's segments in (incremental rendering): the same
     configuration, filters, tests and globals (the same objects) as :func:`sandbox_environment`, as a
     ``PlainFastSandbox`` (``_plain_fast_sandbox_class``), whose ``getattr`` and ``call`` return what the stock
-    sandbox's return. Its proofs read jinja2 3.1's code: under any other jinja2 version the segments use the
-    stock class."""
+    sandbox's return. Its proofs read the code of jinja2 3.1.5 and 3.1.6 (the same ``sandbox.py`` and
+    ``runtime.py``): under any other jinja2 version the segments use the stock class (before 3.1.5 the stock
+    sandbox caught ``str.format`` in ``call``, not in ``getattr``)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    proven = jinja2.__version__.split(".")[:2] == ["3", "1"]
-    return plain_fast_sandbox() if proven else _configured(ImmutableSandboxedEnvironment)
+    if fast_sandbox_proven(jinja2.__version__):
+        return plain_fast_sandbox()
+    return _configured(ImmutableSandboxedEnvironment)
+
+
+def fast_sandbox_proven(version: str) -> bool:
+    """Is ``version`` (``jinja2.__version__``) one whose sandbox code ``PlainFastSandbox``'s proofs read:
+    3.1.5 or a later 3.1 release."""
+    import re
+
+    m = re.match(r"3\.1\.(\d+)", version)
+    return m is not None and int(m.group(1)) >= 5
 
 
 @lru_cache(maxsize=1)
@@ -141,11 +152,13 @@ def plain_fast_sandbox():
 
 class SandboxPlain:
     """Base class of objects whose public attributes the sandbox always allows (the session's recording
-    ``loop``). A subclass must hold: no attribute whose name does not start with ``_`` is a bound
-    ``str.format``/``str.format_map``, and the class is no ``list``/``dict``/``set``/``deque`` (nor one of
-    their ABCs), function, method, type, code, frame, traceback, generator or coroutine. Then jinja2's
-    ``SandboxedEnvironment.getattr`` returns ``getattr(obj, name)`` whenever that succeeds (jinja2 3.1:
-    ``wrap_str_format`` gives ``None``, ``is_safe_attribute`` holds)."""
+    ``loop``). A subclass must hold: no attribute whose name does not start with ``_`` is a method named
+    ``format`` or ``format_map`` bound to a ``str`` (of any ``str`` class), and the class is no
+    ``list``/``dict``/``set``/``deque`` (nor one of their ABCs), function, method, type, code, frame,
+    traceback, generator, coroutine or async generator. Then jinja2's ``SandboxedEnvironment.getattr``
+    returns ``getattr(obj, name)`` whenever that succeeds (``wrap_str_format`` gives ``None``,
+    ``is_safe_attribute`` holds). Its properties should not raise ``AttributeError`` (the fast path then
+    reads them once more, through the stock path)."""
 
     __slots__ = ()
 
@@ -170,15 +183,19 @@ def _plain_fast_sandbox_class():
           success the stock code returns the value (``wrap_str_format`` matches only ``format`` and
           ``format_map``: a ``str`` method's ``__name__`` is its name, asserted in the tests;
           ``is_safe_attribute`` holds: a ``str`` is none of the internal or mutable types);
-        - a :class:`SandboxPlain` and a name without a leading ``_``: on success, by that class's contract.
+        - an object whose type is a :class:`SandboxPlain` subclass (``issubclass`` of its type: ``isinstance``
+          would trust a ``__class__`` property) and a name without a leading ``_``: on success, by that
+          class's contract.
 
         Anything else, and every ``AttributeError`` of the last two cases, takes the stock path.
 
-        ``call`` of a ``str`` method (a builtin method bound to an exact ``str``) calls it directly: the stock
-        ``SandboxedEnvironment.call`` finds it safe (a builtin method has no ``unsafe_callable`` or
-        ``alters_data`` attribute), then ``Context.call`` finds no ``jinja_pass_arg`` on it or its
-        ``__call__``, drops the ``_loop_vars``/``_block_vars`` keywords and calls it, mapping a
-        ``StopIteration`` (which no ``str`` method raises) to an undefined.
+        ``call`` of a ``str`` method other than ``format``/``format_map`` (a builtin method bound to an exact
+        ``str``) calls it directly: the stock ``SandboxedEnvironment.call`` finds it safe (a builtin method
+        has no ``unsafe_callable`` or ``alters_data`` attribute), then ``Context.call`` finds no
+        ``jinja_pass_arg`` on it or its ``__call__``, drops the ``_loop_vars``/``_block_vars`` keywords and
+        calls it, mapping a ``StopIteration`` (an argument's ``__iter__`` or ``__index__`` may raise one) to
+        the same undefined as here. A keyword that the stock signatures would take as one of their own
+        (``_Context__obj``, ...) gives a ``TypeError`` on both paths, with another message.
         """
 
         def getattr(self, obj, attribute):
@@ -191,7 +208,7 @@ def _plain_fast_sandbox_class():
                         except (TypeError, LookupError):
                             return self.undefined(obj=obj, name=attribute)
                 elif (t is str and attribute[:1] != "_" and attribute != "format" and attribute != "format_map") or (
-                        isinstance(obj, SandboxPlain) and attribute[:1] != "_"):
+                        issubclass(t, SandboxPlain) and attribute[:1] != "_"):
                     try:
                         return getattr(obj, attribute)
                     except AttributeError:
@@ -199,10 +216,15 @@ def _plain_fast_sandbox_class():
             return super().getattr(obj, attribute)
 
         def call(self, context, obj, /, *args, **kwargs):  # positional-only: any keyword goes to obj
-            if type(obj) is _BUILTIN_METHOD and type(obj.__self__) is str:
+            if (type(obj) is _BUILTIN_METHOD and type(obj.__self__) is str and obj.__name__ != "format"
+                    and obj.__name__ != "format_map"):
                 kwargs.pop("_loop_vars", None)
                 kwargs.pop("_block_vars", None)
-                return obj(*args, **kwargs)
+                try:
+                    return obj(*args, **kwargs)
+                except StopIteration:
+                    return context.environment.undefined(
+                        "value was undefined because a callable raised a StopIteration exception")
             return super().call(context, obj, *args, **kwargs)
 
     return PlainFastSandbox
