@@ -124,14 +124,11 @@ def segment_environment():
     configuration, filters, tests and globals (the same objects) as :func:`sandbox_environment`, as a
     ``PlainFastSandbox`` (``_plain_fast_sandbox_class``), whose ``getattr`` and ``call`` return what the stock
     sandbox's return. Its proofs read the code of jinja2 3.1.5 and 3.1.6 (the same ``sandbox.py`` and
-    ``runtime.py``): under any other jinja2 version the segments use the stock class (before 3.1.5 the stock
-    sandbox caught ``str.format`` in ``call``, not in ``getattr``)."""
+    ``runtime.py``): under any other jinja2 version the segments use :func:`sandbox_environment` itself (before
+    3.1.5 the stock sandbox caught ``str.format`` in ``call``, not in ``getattr``)."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    if fast_sandbox_proven(jinja2.__version__):
-        return plain_fast_sandbox()
-    return _configured(ImmutableSandboxedEnvironment)
+    return plain_fast_sandbox() if fast_sandbox_proven(jinja2.__version__) else sandbox_environment()
 
 
 def fast_sandbox_proven(version: str) -> bool:
