@@ -265,6 +265,25 @@ def test_reusable_plain_segments(prologue, reused, folder):
     assert check.chat.stats["plain_reused"] == reused, dict(check.chat.stats)
 
 
+
+@pytest.mark.parametrize("template", [
+    "{{ tools|tojson }}\n" + _LOOP,  # a reusable prologue's input (and the option's kept copy)
+    "{{ zero }}\n" + _LOOP,  # a template kwarg
+    _LOOP.replace("{{ m.content }}", "{{ m.content }} {{ zero }}"),  # a value the loop body reads (O3)
+    ("{%- set ns = namespace(z=zero) %}"  # a namespace value a kept record read
+     + _LOOP.replace("{{ m.content }}", "{{ m.content }} {{ ns.z }}")),
+])
+def test_signed_zero_is_a_change(template, folder):
+    """``0.0 == -0.0`` in Python, but the text shows ``0.0`` and ``-0.0``: a request that changes only the
+    sign of a zero must not reuse what the previous one rendered. Every step equals transformers."""
+    check = Checker("qwen2_5", folder, template=template)
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
+    for zero in (0.0, -0.0, -0.0, 0.0, 0):
+        tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"z": zero}}}]
+        check.step(conv, tools=tools, zero=zero)
+    assert check.chat.stats["incremental"] == check.steps == 5
+
+
 _SCAN = ("{%- set ns = namespace(last=-1) %}"
          "{%- for m in ITER %}{%- if ns.last < 0 and m.role == 'user' %}SET{%- endif %}{%- endfor %}"
          "{%- for m in messages %}<|im_start|>{{ m.role }}{% if loop.index0 == ns.last %} (last query){% endif %}\n"

@@ -43,6 +43,7 @@ import operator
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from itertools import repeat
+from math import copysign
 from typing import Any, Mapping
 
 from toktier_backend.chat import template as _t
@@ -85,12 +86,15 @@ _SCALARS = (str, int, float, bool, type(None))
 
 
 def same(a: Any, b: Any) -> bool:
-    """Equal for a template: same types (``1``/``1.0``/``True`` differ), same values, same dict key order."""
+    """Equal for a template: same types (``1``/``1.0``/``True`` differ), same values (``0.0`` and ``-0.0``
+    differ: they print differently), same dict key order."""
     if a is b:
         return True
     ta = type(a)
     if ta is not type(b):
         return False
+    if ta is float:  # 0.0 == -0.0, but they render "0.0" and "-0.0"
+        return a == b and (a != 0.0 or copysign(1.0, a) == copysign(1.0, b))
     if ta in _SCALARS:
         return a == b
     if ta is list or ta is tuple:
@@ -675,7 +679,7 @@ class ChatSession:
         self._next_strict = self._strict
         self._chat: list = []
         self._memos: list | None = None
-        self._plain_options: dict = {}  # option name -> the plain copy made for the last request (_plain_kept)
+        self._plain_options: dict = {}  # option name -> (plain copy, signature of its source): _plain_kept
 
     # ------------------------------------------------------------ public
 
@@ -984,14 +988,17 @@ class ChatSession:
             snaps, chat, memos, pieces, text, length)
 
     def _plain_kept(self, key: str, value):
-        """``plain(value)``; the copy made for the previous request when ``value`` equals it by ``same`` (a
-        copy of exact JSON types equal by ``same`` is what ``plain`` would build), so that an unchanged
-        option is the same object as last time and the segments' comparisons of it stop at identity."""
-        prev = self._plain_options.get(key, MISSING)
-        if prev is not MISSING and same(prev, value):
-            return prev
+        """``plain(value)``; the copy made for the previous request when ``value`` has the same
+        :func:`_signature` as the value it was made from, so that an unchanged option is the same object as
+        last time and the segments' comparisons of it stop at identity. Equal signatures mean values of
+        exact JSON types with equal scalars (type, sign of zero), key order and nesting, of which ``plain``
+        builds equal copies; a value ``marshal`` cannot write (another type) is copied every time."""
+        sig = _signature(value)
+        prev = self._plain_options.get(key)
+        if prev is not None and prev[1] == sig:  # (_NEVER equals nothing)
+            return prev[0]
         copy = _t.plain(value)
-        self._plain_options[key] = copy
+        self._plain_options[key] = (copy, sig)
         return copy
 
     # ------------------------------------------------------------ segments
