@@ -33,6 +33,61 @@ def test_admitted_and_equal_to_transformers(name, folder):
         assert adm.renderer.render(messages, **options) == want
 
 
+
+def _call(arguments):
+    return [{"type": "function", "function": {"name": "f", "arguments": arguments}}]
+
+
+# requests where minijinja alone would answer otherwise than the reference: a float the template reads
+# reaches Python as an int when integral, 10**40 as a float, an undefined value as None (where jinja2's
+# tojson raises); the same values inside a container minijinja passes back whole
+_ODD_VALUES = [
+    ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": _call(30.0)}], {}),
+    ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": _call(10**40)}], {}),
+    ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": _call({"t": 30.0})}],
+     {}),
+    ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": _call([1e16, -0.0])}],
+     {"add_generation_prompt": False}),
+    ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": _call({"n": 10**40})}],
+     {}),
+    ([{"role": "user", "content": "go"}], {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "minimum": 0.0, "maximum": 1e16}}}]}),
+    ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": "ab"},
+      {"role": "user", "content": "go"}], {}),  # tool_call.function is undefined for a char of a string
+    ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": _call(None)}], {}),
+]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("case", range(len(_ODD_VALUES)))
+def test_odd_values_equal_to_transformers(name, case, folder):
+    """Floats, big ints and undefined values inside ``tojson`` (found by a differential fuzz against the
+    reference): the admitted renderer gives transformers' text, or refuses what transformers refuses."""
+    messages, options = _ODD_VALUES[case]
+    options = {"add_generation_prompt": True, **options}
+    src, cfg = template_source(name)
+    renderer = admit(src, special_tokens(cfg)).renderer
+    hf = hf_tokenizer(str(folder(name)))
+    try:
+        want = hf.apply_chat_template(messages, tokenize=False, **options)
+    except Exception:  # noqa: BLE001 - refused by the reference: must be refused here too
+        with pytest.raises(InvalidRequest):
+            renderer.render(messages, **options)
+        return
+    assert renderer.render(messages, **options) == want
+
+
+def test_continue_final_message_on_no_messages():
+    """A clear refusal (not an IndexError) from every renderer."""
+    from toktier_backend.chat.session import ChatSession
+    from toktier_backend.chat.template import ChatRenderer
+
+    src = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    for r in (MiniJinjaRenderer(src), ChatRenderer(src), ChatSession(src)):
+        with pytest.raises(InvalidRequest, match="continue_final_message"):
+            r.render([], continue_final_message=True)
+
+
 def test_refused_when_output_differs():
     """minijinja's own tojson is bypassed, but a template using a Python method minijinja lacks (or a tag
     it does not know) is refused, with the reason."""

@@ -9,6 +9,10 @@ not, tools, tool calls and results, reasoning, unicode and special-token text, a
 off, continue_final_message, a request the template refuses with ``raise_exception``) gives text identical
 to the reference, or both refuse it. Otherwise (or when minijinja is not installed) :func:`admit` returns no
 renderer and the reason.
+
+The canary admits a template, not every value: per request, values that minijinja does not carry through
+unchanged (floats, ints past 64 bits, an undefined value reaching ``tojson``) send that request to the
+jinja2 reference (:class:`MiniJinjaRenderer`).
 """
 
 from __future__ import annotations
@@ -51,8 +55,59 @@ PROBES: list[tuple[list[dict], dict]] = [
 ]
 
 
+class _Unproven(Exception):
+    """minijinja gave ``tojson`` a ``None``, which may stand for an undefined value (below)."""
+
+
+_I64 = 1 << 63
+_STR = frozenset({str})
+
+
+def _holds(values: list, want_none: bool) -> bool:
+    """Does any of ``values`` hold, anywhere (dict keys included), a float, an int outside the signed 64-bit
+    range, or (``want_none``) ``None``: a value minijinja does not pass through unchanged
+    (:class:`MiniJinjaRenderer`)? A walk with an explicit stack (no recursion limit); a dict whose keys are
+    all strings is not walked by key."""
+    stack = list(values)
+    pop, push = stack.pop, stack.extend
+    while stack:
+        x = pop()
+        t = type(x)
+        if t is str or t is bool:
+            continue
+        if t is dict:
+            push(x.values())
+            if not _STR.issuperset(map(type, x)):
+                push(x)
+        elif t is list or t is tuple:
+            push(x)
+        elif t is int:
+            if not -_I64 <= x < _I64:
+                return True
+        elif t is float or (x is None and want_none):
+            return True
+    return False
+
+
+def _unproven_values(messages: list, *values: Any) -> bool:
+    """Does any prepared message (a dict: its string values are not walked) or value hold a float or a big
+    int (:func:`_holds`)?"""
+    return _holds([v for m in messages for v in m.values() if type(v) is not str] + list(values), False)
+
+
 class MiniJinjaRenderer:
     """Full renders with minijinja, same arguments and preprocessing as :class:`.template.ChatRenderer`.
+
+    Requests the canary cannot vouch for are rendered by the jinja2 reference instead (both rare in chat
+    traffic; each found by a differential fuzz against the reference):
+
+    - a float or an int outside the signed 64-bit range anywhere in the messages, tools, documents or
+      template kwargs: minijinja passes an integral float to Python as an ``int`` (``30.0`` reaches
+      ``tojson`` as ``30``), prints floats its own way, and holds ``10**40`` as a float;
+    - a ``tojson`` argument that holds ``None``: minijinja passes an undefined value to a Python filter as
+      ``None``, and where jinja2's ``tojson`` raises on an undefined value (``TypeError``: not JSON
+      serializable) ``json.dumps(None)`` writes ``null``. The other callbacks (``raise_exception``,
+      ``strftime_now``) refuse the request either way.
 
     Raises:
         InvalidRequest: as ``ChatRenderer.render``.
@@ -65,6 +120,8 @@ class MiniJinjaRenderer:
             raise ValueError(message)
 
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            if _holds([x], True):
+                raise _Unproven
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
@@ -77,6 +134,7 @@ class MiniJinjaRenderer:
         self._env.add_template("chat", source)
         self.source = source
         self.special_tokens = dict(special_tokens or {})
+        self._reference: _t.ChatRenderer | None = None  # built on the first unproven request
 
     def render(self, messages, *, tools=None, documents=None, add_generation_prompt=False,
                continue_final_message=False, **kwargs: Any) -> str:
@@ -84,17 +142,29 @@ class MiniJinjaRenderer:
         chat = [_t.prepare_message(m) for m in messages]
         final = None
         if continue_final_message:
-            if not chat:
-                raise InvalidRequest("continue_final_message needs a last message with string content")
             final, chat[-1] = _t.continue_message(chat[-1])
         variables = {**self.special_tokens, **_t.plain(kwargs)}
+        if _unproven_values(chat, tools, documents, kwargs):
+            return self._reference_render(messages, tools, documents, add_generation_prompt,
+                                          continue_final_message, kwargs)
         try:
             text = self._env.render_template("chat", messages=chat, tools=_t.plain(tools),
                                              documents=_t.plain(documents),
                                              add_generation_prompt=bool(add_generation_prompt), **variables)
+        except _Unproven:
+            return self._reference_render(messages, tools, documents, add_generation_prompt,
+                                          continue_final_message, kwargs)
         except Exception as e:  # minijinja.TemplateError and errors raised from our callbacks
             raise InvalidRequest(f"the chat template refused the request: {e}") from e
         return _t.finish_continue(text, final)
+
+    def _reference_render(self, messages, tools, documents, add_generation_prompt, continue_final_message,
+                          kwargs) -> str:
+        if self._reference is None:
+            self._reference = _t.ChatRenderer(self.source, self.special_tokens)
+        return self._reference.render(messages, tools=tools, documents=documents,
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message, **kwargs)
 
 
 @dataclass

@@ -816,9 +816,7 @@ class ChatSession:
                 keep, kwargs) -> ChatRender:
         k, snaps, chat = self._diff(messages, same_prefix, keep)
         final = None
-        if continue_final_message:
-            if not chat:
-                raise InvalidRequest("continue_final_message needs a last message with string content")
+        if continue_final_message:  # (check_request: messages is not empty)
             chat = list(chat)
             final, chat[-1] = _t.continue_message(chat[-1])
             snaps = list(snaps)

@@ -403,6 +403,8 @@ def check_request(messages: Any, add_generation_prompt: bool, continue_final_mes
         raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
     if continue_final_message and add_generation_prompt:
         raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be set")
+    if continue_final_message and not messages:
+        raise InvalidRequest("continue_final_message needs a last message with string content")
 
 
 def prepare_message(message: Mapping[str, Any]) -> dict:
