@@ -31,6 +31,7 @@ class _Plain(SandboxPlain):
 
     first = property(lambda self: True)
     value = property(lambda self: self._v)
+    fmt = "{0}".format  # a raw str.format: the stock path wraps it (wrap_str_format), so must the fast one
 
     def cycle(self, *args):
         return args[0]
@@ -63,12 +64,15 @@ def _objects():
     from markupsafe import Markup
 
     from toktier_backend.chat.analysis import IterForm
-    from toktier_backend.chat.session import _Rec, _RecLoop
+    from toktier_backend.chat.session import _Rec, _RecLoop, _recording_namespace_class
 
     chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     loops = [_RecLoop(_Rec(chat[p], p), p, 2, IterForm(0, False), chat, ImmutableSandboxedEnvironment().undefined)
              for p in (0, 1)]
-    return [*loops, _Dict(items="key"), defaultdict(int, content="d"), _Str("{0}"), Markup("<b>{0}</b>"), _Liar(),
+    state = {("ns", "content"): "ns value", ("ns", "fmt"): "{0}".format, ("ns", "items"): [1], ("ns", "last"): 3,
+             ("ns", "_x"): 1, ("other", "role"): "not this namespace's"}
+    namespaces = [_recording_namespace_class()("ns", state, _Rec(None, 0)), _recording_namespace_class()("ns", {}, _Rec(None, 0))]
+    return [*loops, *namespaces, _Dict(items="key"), defaultdict(int, content="d"), _Str("{0}"), Markup("<b>{0}</b>"), _Liar(),
             
         {"content": "hi", "role": "user", "items": "key named items", "get": 1, "format": "f", "_x": 2, "": 0},
         {}, {1: "int key"}, "some text", "", ["a", "b"], 7, 1.5, True, None, _Plain(), Namespace(content="ns"),
@@ -110,6 +114,22 @@ def test_getattr_equals_the_stock_sandbox(name):
     for obj in _objects():
         got, want = _outcome(fast, obj, name), _outcome(stock, obj, name)
         assert _same(got, want), (obj, name, got, want)
+
+
+def test_namespace_reads_are_recorded_as_by_the_stock_path():
+    """A recording namespace read through the fast ``getattr`` records what the stock path records: the
+    first value of each attribute read, ``MISSING`` for an attribute it does not have (read twice there)."""
+    from toktier_backend.chat.session import MISSING, _Rec, _recording_namespace_class
+
+    fast, stock = plain_fast_sandbox(), ImmutableSandboxedEnvironment()
+    got = []
+    for env in (fast, stock):
+        rec = _Rec(None, 0)
+        ns = _recording_namespace_class()("ns", {("ns", "a"): 1, ("ns", "b"): "x"}, rec)
+        for name in ("a", "missing", "b", "a", "missing"):
+            env.getattr(ns, name)
+        got.append(rec.ns_reads)
+    assert got[0] == got[1] == {("ns", "a"): 1, ("ns", "missing"): MISSING, ("ns", "b"): "x"}
 
 
 @pytest.mark.parametrize("version, proven", [("3.1.4", False), ("3.1.5", True), ("3.1.6", True), ("3.1.10", True),

@@ -261,9 +261,11 @@ def _recording_namespace_class():
 
     base = _t.sandbox_environment().globals["namespace"]
 
-    class RecNamespace(base):
+    class RecNamespace(base, _t.SandboxPlain):
         """A namespace over the loop's state ``{(name, attr): value}``: reads before the iteration's own
-        write are recorded with their value, writes are recorded."""
+        write are recorded with their value, writes are recorded. A :class:`.template.SandboxPlain`: a
+        namespace is none of the types its contract excludes, and a read records only its first value (a
+        read of a missing attribute, repeated by the stock path, records ``MISSING`` once)."""
 
         def __init__(self, name, state, rec):  # noqa: D107 - base __init__ not called: storage is ``state``
             object.__setattr__(self, "_r", (name, state, rec))

@@ -149,13 +149,12 @@ def plain_fast_sandbox():
 
 class SandboxPlain:
     """Base class of objects whose public attributes the sandbox always allows (the session's recording
-    ``loop``). A subclass must hold: no attribute whose name does not start with ``_`` is a method named
-    ``format`` or ``format_map`` bound to a ``str`` (of any ``str`` class), and the class is no
-    ``list``/``dict``/``set``/``deque`` (nor one of their ABCs), function, method, type, code, frame,
-    traceback, generator, coroutine or async generator. Then jinja2's ``SandboxedEnvironment.getattr``
-    returns ``getattr(obj, name)`` whenever that succeeds (``wrap_str_format`` gives ``None``,
-    ``is_safe_attribute`` holds). Its properties should not raise ``AttributeError`` (the fast path then
-    reads them once more, through the stock path)."""
+    ``loop`` and namespace). A subclass must hold: the class is no ``list``/``dict``/``set``/``deque`` (nor
+    one of their ABCs), function, method, type, code, frame, traceback, generator, coroutine or async
+    generator. Then, for a name without a leading ``_``, jinja2's ``SandboxedEnvironment.getattr`` returns
+    ``wrap_str_format(value)`` if that is not ``None``, else ``value = getattr(obj, name)`` whenever that
+    succeeds (``is_safe_attribute`` holds). An ``AttributeError`` sends the read to the stock path, which
+    reads the attribute once more: reading twice must give what reading once gives."""
 
     __slots__ = ()
 
@@ -181,8 +180,8 @@ def _plain_fast_sandbox_class():
           ``format_map``: a ``str`` method's ``__name__`` is its name, asserted in the tests;
           ``is_safe_attribute`` holds: a ``str`` is none of the internal or mutable types);
         - an object whose type is a :class:`SandboxPlain` subclass (``issubclass`` of its type: ``isinstance``
-          would trust a ``__class__`` property) and a name without a leading ``_``: on success, by that
-          class's contract.
+          would trust a ``__class__`` property) and a name without a leading ``_``: on success, the value
+          through ``wrap_str_format`` as the stock code does, then by that class's contract.
 
         Anything else, and every ``AttributeError`` of the last two cases, takes the stock path.
 
@@ -204,12 +203,19 @@ def _plain_fast_sandbox_class():
                             return obj[attribute]
                         except (TypeError, LookupError):
                             return self.undefined(obj=obj, name=attribute)
-                elif (t is str and attribute[:1] != "_" and attribute != "format" and attribute != "format_map") or (
-                        issubclass(t, SandboxPlain) and attribute[:1] != "_"):
+                elif t is str and attribute[:1] != "_" and attribute != "format" and attribute != "format_map":
                     try:
                         return getattr(obj, attribute)
                     except AttributeError:
                         pass
+                elif issubclass(t, SandboxPlain) and attribute[:1] != "_":
+                    try:
+                        value = getattr(obj, attribute)
+                    except AttributeError:
+                        pass
+                    else:
+                        fmt = self.wrap_str_format(value)
+                        return value if fmt is None else fmt
             return super().getattr(obj, attribute)
 
         def call(self, context, obj, /, *args, **kwargs):  # positional-only: any keyword goes to obj
