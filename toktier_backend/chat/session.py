@@ -1237,6 +1237,7 @@ class ChatSession:
         total = sum(len(p) if isinstance(p, str) else p.length() for p in pieces)
         base = 0
         i = 0
+        skip = 0  # records of the forward loop piece where the streams start that are the same as before
         if self._memos is not None and len(old_pieces) == len(pieces):
             for i, (new, old) in enumerate(zip(pieces, old_pieces)):
                 if isinstance(new, str):
@@ -1249,15 +1250,25 @@ class ChatSession:
                         continue
                     break
                 j = new.keep
+                if new.shared is old:
+                    # extended in place (_Builder._extend): every record below old.n has its old output, so
+                    # the old piece's text is the new piece's text up to there
+                    if new.n == old.n:
+                        base += new.length()
+                        continue
+                    skip = max(0, old.n - new.form.start)
+                    base += old.length()
+                    break
                 if _tail_text(new, j) == _tail_text(old, j):
                     base += new.length()
                     continue
                 base += new.cum[j - 1] if j else 0
+                skip = j
                 break
             else:
                 return base, "", total
-            old_stream = _stream(old_pieces, i, new.keep if not isinstance(new, str) else 0)
-            new_stream = _stream(pieces, i, new.keep if not isinstance(new, str) else 0)
+            old_stream = _stream(old_pieces, i, skip)
+            new_stream = _stream(pieces, i, skip)
         else:
             old_stream = iter([self._old_text()])
             new_stream = _stream(pieces, 0, 0)
