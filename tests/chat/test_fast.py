@@ -77,6 +77,43 @@ def test_odd_values_equal_to_transformers(name, case, folder):
     assert renderer.render(messages, **options) == want
 
 
+_FINALS = [
+    [{"type": "text", "text": "Once upon"}],
+    [{"type": "text", "text": "first"}, {"type": "image"}, {"type": "text", "text": "second"}, {"type": "image"}],
+    [{"type": "image"}],  # no text block: refused
+    ["plain string block", {"type": "text", "text": "x"}],
+    [{"type": "text", "text": 5}],  # a text that is not a string: refused
+    ["a block holding text"],  # "text" in a string block, which transformers then indexes: refused
+    5,
+    "",
+]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("case", range(len(_FINALS)))
+def test_continue_final_message_like_transformers(name, case, folder):
+    """continue_final_message on content blocks and other content (transformers 5 continues the last text
+    block): each renderer gives transformers' text or refuses what it refuses."""
+    from toktier_backend.chat.session import ChatSession
+    from toktier_backend.chat.template import ChatRenderer
+
+    src, cfg = template_source(name)
+    sp = special_tokens(cfg)
+    messages = [{"role": "user", "content": "Write"}, {"role": "assistant", "content": _FINALS[case]}]
+    renderers = [ChatRenderer(src, sp), ChatSession(src, sp), admit(src, sp).renderer]
+    hf = hf_tokenizer(str(folder(name)))
+    try:
+        want = hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    except Exception:  # noqa: BLE001 - refused by the reference: must be refused here too
+        for r in renderers:
+            with pytest.raises(InvalidRequest):
+                r.render(messages, continue_final_message=True)
+        return
+    for r in renderers:
+        got = r.render(messages, continue_final_message=True)
+        assert (got if isinstance(got, str) else got.text) == want, type(r).__name__
+
+
 def test_continue_final_message_on_no_messages():
     """A clear refusal (not an IndexError) from every renderer."""
     from toktier_backend.chat.session import ChatSession

@@ -142,7 +142,7 @@ class MiniJinjaRenderer:
         chat = [_t.prepare_message(m) for m in messages]
         final = None
         if continue_final_message:
-            final, chat[-1] = _t.continue_message(chat[-1])
+            final, chat[-1] = _t.continue_message(chat[-1], self.source)
         variables = {**self.special_tokens, **_t.plain(kwargs)}
         if _unproven_values(chat, tools, documents, kwargs):
             return self._reference_render(messages, tools, documents, add_generation_prompt,

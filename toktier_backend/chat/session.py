@@ -820,7 +820,7 @@ class ChatSession:
         final = None
         if continue_final_message:  # (check_request: messages is not empty)
             chat = list(chat)
-            final, chat[-1] = _t.continue_message(chat[-1])
+            final, chat[-1] = _t.continue_message(chat[-1], self.reference.source)
             snaps = list(snaps)
             snaps[-1] = _NEVER
             if self._raw is not None:

@@ -391,7 +391,7 @@ class ChatRenderer:
         chat = [prepare_message(m) for m in messages]
         final = None
         if continue_final_message:
-            final, chat[-1] = continue_message(chat[-1])
+            final, chat[-1] = continue_message(chat[-1], self.source)
         variables = {**self.special_tokens, **plain(kwargs)}
         try:
             text = self._template.render(messages=chat, tools=plain(tools), documents=plain(documents),
@@ -424,12 +424,39 @@ def prepare_plain(message: dict) -> dict:
     return _alias_reasoning({k: v for k, v in message.items() if v is not None})
 
 
-def continue_message(message: dict) -> tuple[str, dict]:
-    """(the final message's content, a copy of it with the continue tag appended), for
-    ``continue_final_message``. Raises :class:`InvalidRequest` if the content is not a string."""
-    if not isinstance(message.get("content"), str):
-        raise InvalidRequest("continue_final_message needs a last message with string content")
-    return message["content"], {**message, "content": message["content"] + _CONTINUE_TAG}
+def continue_message(message: dict, source: str) -> tuple[str, dict]:
+    """(the text to continue, a copy of ``message`` with the continue tag appended to it), for
+    ``continue_final_message``, as transformers 5 ``render_jinja_template`` does it: the ``content`` string,
+    or of a list of content blocks the last block with a ``"text"`` key (a copy of the list, that block
+    copied with the tag).
+
+    Raises:
+        InvalidRequest: where transformers raises: no ``content``, a template ``source`` that never names
+        ``content``, a list with no text block (or a block ``"text" in block`` cannot test, or a string block
+        holding ``"text"``: transformers then indexes a string), content of another type, or a text that is
+        not a string.
+    """
+    content = message.get("content")
+    if content is None or "content" not in source:
+        raise InvalidRequest("continue_final_message needs a final message with content the template reads")
+    if type(content) is list:
+        for i in range(len(content) - 1, -1, -1):
+            block = content[i]
+            if type(block) is dict:
+                if "text" not in block:
+                    continue
+                text = block["text"]
+                if type(text) is not str:
+                    break
+                tagged = [*content[:i], {**block, "text": text + _CONTINUE_TAG}, *content[i + 1:]]
+                return text, {**message, "content": tagged}
+            if (type(block) is str or type(block) is list) and "text" not in block:
+                continue
+            break  # a block "text" in cannot test, or one that holds "text" but is not a dict
+        raise InvalidRequest("continue_final_message needs a text block in the final message's content")
+    if type(content) is not str:
+        raise InvalidRequest("continue_final_message needs a final message with string or text-block content")
+    return content, {**message, "content": content + _CONTINUE_TAG}
 
 
 def finish_continue(text: str, final: str | None) -> str:
