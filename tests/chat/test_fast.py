@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.chat.conftest import hf_tokenizer
@@ -55,26 +56,43 @@ _ODD_VALUES = [
     ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": "ab"},
       {"role": "user", "content": "go"}], {}),  # tool_call.function is undefined for a char of a string
     ([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": _call(None)}], {}),
+    # Python's strip removes U+001C-U+001F, minijinja's trim does not; a lone surrogate (U+FFFD in minijinja)
+    ([{"role": "user", "content": "hi\x1f"}, {"role": "assistant", "content": " \x1cok\x1d "}], {}),
+    ([{"role": "user", "content": "a\ud800b"}], {}),
+    # a tuple stays a tuple (transformers 5's plain copy); minijinja prints it as a list
+    ([{"role": "user", "content": ("a", 1)}], {}),
+    # kwargs: a numpy scalar and a float subclass reach the template as floats; bytes and bytearray are
+    # placeholders naming their types
+    ([{"role": "user", "content": "go"}], {"bos_token": np.float64(1e16)}),
+    ([{"role": "user", "content": "go"}], {"bos_token": bytearray(b"x")}),
 ]
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
 @pytest.mark.parametrize("case", range(len(_ODD_VALUES)))
 def test_odd_values_equal_to_transformers(name, case, folder):
-    """Floats, big ints and undefined values inside ``tojson`` (found by a differential fuzz against the
-    reference): the admitted renderer gives transformers' text, or refuses what transformers refuses."""
+    """Floats, big ints, undefined values inside ``tojson``, odd whitespace, lone surrogates, tuples, numpy
+    and bytes kwargs (found by a differential fuzz and a review): every renderer gives transformers' text,
+    or refuses what transformers refuses."""
+    from toktier_backend.chat.session import ChatSession
+    from toktier_backend.chat.template import ChatRenderer
+
     messages, options = _ODD_VALUES[case]
     options = {"add_generation_prompt": True, **options}
     src, cfg = template_source(name)
-    renderer = admit(src, special_tokens(cfg)).renderer
+    sp = special_tokens(cfg)
+    renderers = [admit(src, sp).renderer, ChatRenderer(src, sp), ChatSession(src, sp)]
     hf = hf_tokenizer(str(folder(name)))
     try:
         want = hf.apply_chat_template(messages, tokenize=False, **options)
     except Exception:  # noqa: BLE001 - refused by the reference: must be refused here too
-        with pytest.raises(InvalidRequest):
-            renderer.render(messages, **options)
+        for r in renderers:
+            with pytest.raises(InvalidRequest):
+                r.render(messages, **options)
         return
-    assert renderer.render(messages, **options) == want
+    for r in renderers:
+        got = r.render(messages, **options)
+        assert (got if isinstance(got, str) else got.text) == want, type(r).__name__
 
 
 _FINALS = [

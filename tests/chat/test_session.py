@@ -284,6 +284,30 @@ def test_signed_zero_is_a_change(template, folder):
     assert check.chat.stats["incremental"] == check.steps == 5
 
 
+
+def test_continue_after_a_whole_trusted_prefix_and_after_a_continue(folder):
+    """continue_final_message with nothing new to parse (``render_more([])``: the trusted prefix is the whole
+    list), and a one-loop template rendered again after a continue render (its kept text is whole, not
+    pieces). Every step equals transformers."""
+    check = Checker("qwen3", folder)
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    check.step(conv)
+    want = check.reference(conv, tokenize=False, continue_final_message=True)
+    assert check.chat.render_more([], continue_final_message=True).text == want
+    loop = Checker("qwen2_5", folder, template="{% for m in messages %}{{ m.content }}|{% endfor %}")
+    loop.step(conv, ids=False, continue_final_message=True)
+    loop.step(conv + [{"role": "user", "content": "more"}], ids=False)
+    loop.step(conv + [{"role": "user", "content": "more"}, {"role": "user", "content": "again"}], ids=False)
+
+
+def test_non_json_values_are_compared_by_their_copies(folder):
+    """``b"x" == bytearray(b"x")`` but their plain copies (what the template sees) are ``"<bytes>"`` and
+    ``"<bytearray>"``: as options and inside messages, each request renders what transformers renders."""
+    check = Checker("qwen2_5", folder, template="{{ extra }}|{% for m in messages %}{{ m.content }}{{ m.x }}|{% endfor %}")
+    for v in (b"x", bytearray(b"x"), memoryview(b"x"), b"x"):
+        check.step([{"role": "user", "content": "hi", "x": v}], ids=False, extra=v)
+
+
 _SCAN = ("{%- set ns = namespace(last=-1) %}"
          "{%- for m in ITER %}{%- if ns.last < 0 and m.role == 'user' %}SET{%- endif %}{%- endfor %}"
          "{%- for m in messages %}<|im_start|>{{ m.role }}{% if loop.index0 == ns.last %} (last query){% endif %}\n"

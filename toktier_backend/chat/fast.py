@@ -60,39 +60,62 @@ class _Unproven(Exception):
 
 
 _I64 = 1 << 63
+# Python's str.strip/split/trim whitespace that minijinja's (Unicode White_Space) is not
+_ODD_SPACES = ("\x1c", "\x1d", "\x1e", "\x1f")
 _STR = frozenset({str})
 
 
-def _holds(values: list, want_none: bool) -> bool:
-    """Does any of ``values`` hold, anywhere (dict keys included), a float, an int outside the signed 64-bit
-    range, or (``want_none``) ``None``: a value minijinja does not pass through unchanged
-    (:class:`MiniJinjaRenderer`)? A walk with an explicit stack (no recursion limit); a dict whose keys are
-    all strings is not walked by key."""
+def _odd_text(text: str) -> bool:
+    """Does ``text`` hold U+001C-U+001F or a lone surrogate (which minijinja writes as U+FFFD)? Substring
+    searches and one UTF-8 encode, in C."""
+    if any(c in text for c in _ODD_SPACES):
+        return True
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _holds(values: list, want_none: bool, strs: list | None = None) -> bool:
+    """Does any of ``values`` (plain copies: exact JSON types and tuples) hold, anywhere, dict keys included,
+    a value minijinja does not carry through unchanged (:class:`MiniJinjaRenderer`): a float, an int outside
+    the signed 64-bit range, a tuple (minijinja prints a list), a string :func:`_odd_text` flags, or
+    (``want_none``) ``None``? A walk with an explicit stack (no recursion limit); the strings are gathered
+    (a dict's keys or values at once when all are strings; ``strs``: strings gathered already) and searched
+    joined, in one pass."""
     stack = list(values)
-    pop, push = stack.pop, stack.extend
+    strs = [] if strs is None else strs
+    pop, push, gather = stack.pop, stack.extend, strs.extend
     while stack:
         x = pop()
         t = type(x)
-        if t is str or t is bool:
-            continue
-        if t is dict:
-            push(x.values())
-            if not _STR.issuperset(map(type, x)):
-                push(x)
-        elif t is list or t is tuple:
+        if t is str:
+            strs.append(x)
+        elif t is dict:
+            (gather if _STR.issuperset(map(type, x)) else push)(x)
+            vals = x.values()
+            (gather if _STR.issuperset(map(type, vals)) else push)(vals)
+        elif t is list:
             push(x)
         elif t is int:
             if not -_I64 <= x < _I64:
                 return True
-        elif t is float or (x is None and want_none):
-            return True
-    return False
+        elif t is not bool and (x is not None or want_none):
+            return True  # a float, a tuple, None where asked, or another type (none after plain)
+    return _odd_text("".join(strs))
 
 
-def _unproven_values(messages: list, *values: Any) -> bool:
-    """Does any prepared message (a dict: its string values are not walked) or value hold a float or a big
-    int (:func:`_holds`)?"""
-    return _holds([v for m in messages for v in m.values() if type(v) is not str] + list(values), False)
+def _unproven_request(chat: list, *values: Any) -> bool:
+    """:func:`_holds` of prepared messages and other plain values; the messages' string keys and values
+    are gathered by comprehensions (the walk per message costs several times more)."""
+    strs = [x for m in chat for x in m.values() if type(x) is str]
+    strs += [k for m in chat for k in m if type(k) is str]
+    rest = [x for m in chat for x in m.values() if type(x) is not str]
+    rest += [k for m in chat for k in m if type(k) is not str]
+    return _holds(rest + list(values), False, strs)
 
 
 class MiniJinjaRenderer:
@@ -101,9 +124,11 @@ class MiniJinjaRenderer:
     Requests the canary cannot vouch for are rendered by the jinja2 reference instead (both rare in chat
     traffic; each found by a differential fuzz against the reference):
 
-    - a float or an int outside the signed 64-bit range anywhere in the messages, tools, documents or
-      template kwargs: minijinja passes an integral float to Python as an ``int`` (``30.0`` reaches
-      ``tojson`` as ``30``), prints floats its own way, and holds ``10**40`` as a float;
+    - a float, an int outside the signed 64-bit range, a tuple, or a string holding U+001C-U+001F or a lone
+      surrogate, anywhere in the messages, tools, documents, kwargs or special tokens (their plain copies):
+      minijinja passes an integral float to Python as an ``int`` (``30.0`` reaches ``tojson`` as ``30``),
+      prints floats its own way, holds ``10**40`` as a float, prints a tuple as a list, does not strip
+      U+001C-U+001F (Python's ``str.strip`` does) and writes a lone surrogate as U+FFFD;
     - a ``tojson`` argument that holds ``None``: minijinja passes an undefined value to a Python filter as
       ``None``, and where jinja2's ``tojson`` raises on an undefined value (``TypeError``: not JSON
       serializable) ``json.dumps(None)`` writes ``null``. The other callbacks (``raise_exception``,
@@ -142,14 +167,14 @@ class MiniJinjaRenderer:
         chat = [_t.prepare_message(m) for m in messages]
         final = None
         if continue_final_message:
-            final, chat[-1] = _t.continue_message(chat[-1], self.source)
-        variables = {**self.special_tokens, **_t.plain(kwargs)}
-        if _unproven_values(chat, tools, documents, kwargs):
+            final, chat[-1] = _t.continue_message(chat, self.source)
+        tools, documents, extra = _t.plain(tools), _t.plain(documents), _t.plain(kwargs)
+        if _unproven_request(chat, tools, documents, extra, self.special_tokens):
             return self._reference_render(messages, tools, documents, add_generation_prompt,
                                           continue_final_message, kwargs)
+        variables = {**self.special_tokens, **extra}
         try:
-            text = self._env.render_template("chat", messages=chat, tools=_t.plain(tools),
-                                             documents=_t.plain(documents),
+            text = self._env.render_template("chat", messages=chat, tools=tools, documents=documents,
                                              add_generation_prompt=bool(add_generation_prompt), **variables)
         except _Unproven:
             return self._reference_render(messages, tools, documents, add_generation_prompt,

@@ -818,9 +818,9 @@ class ChatSession:
                 keep, kwargs) -> ChatRender:
         k, snaps, chat = self._diff(messages, same_prefix, keep)
         final = None
-        if continue_final_message:  # (check_request: messages is not empty)
+        if continue_final_message:
             chat = list(chat)
-            final, chat[-1] = _t.continue_message(chat[-1], self.reference.source)
+            final, chat[-1] = _t.continue_message(chat, self.reference.source)
             snaps = list(snaps)
             snaps[-1] = _NEVER
             if self._raw is not None:
@@ -897,14 +897,15 @@ class ChatSession:
         cut = bisect_left(pos, k)
         del pos[cut:], keys[cut:], reprs[cut:]
         for i in range(k, len(messages)):
-            sn = _t.plain(messages[i])
+            m = messages[i]
+            sn = _t.plain(m)
             snaps.append(sn)
             chat.append(_t.prepare_plain(sn))
-            for key, v in sn.items():
+            for key, v in m.items():  # the caller's values: a non-JSON one is strict (_needs_strict)
                 if type(v) is not str and self._needs_strict(v, (key,)):
                     pos.append(i)
                     keys.append(key)
-                    reprs.append(_signature(v))
+                    reprs.append(_signature(sn.get(key if type(key) is str else _t.plain(key), MISSING)))
         self._next_strict = (pos, keys, reprs)
         raw = self._raw
         if not keep:
@@ -933,18 +934,21 @@ class ChatSession:
 
     def _needs_strict(self, v, path: tuple) -> bool:
         """Can a value equal to ``v`` by ``==`` render differently? Yes if it holds a number or bool
-        (``1 == 1.0 == True``), or a dict of 2+ keys where the template may see key order
-        (:func:`.analysis.order_observed`)."""
+        (``1 == 1.0 == True``), a dict of 2+ keys where the template may see key order
+        (:func:`.analysis.order_observed`), or any type but ``str``, ``None``, ``dict``, ``list`` and
+        ``tuple`` (``b"x" == bytearray(b"x")``, whose plain copies ``"<bytes>"`` and ``"<bytearray>"``
+        differ). Such a value's snapshot is a plain copy whose signature the caller's value never has:
+        its message is rendered again at every request (rare: no JSON body holds one)."""
         t = type(v)
-        if t in (int, float, bool):
-            return True
+        if t is str or v is None:
+            return False
         if t is dict:
             if len(v) > 1 and order_observed(self.plan.order_paths, path):
                 return True
             return any(type(x) is not str and self._needs_strict(x, path + (k,)) for k, x in v.items())
-        if t is list:
+        if t is list or t is tuple:
             return any(type(x) is not str and self._needs_strict(x, path + ("*",)) for x in v)
-        return False
+        return True
 
     def _strict_prefix(self, messages, k, lo=0):
         """Lower ``k`` to the first position in ``[lo, k)`` whose message equals the old one by ``==`` but
@@ -988,16 +992,15 @@ class ChatSession:
             snaps, chat, memos, pieces, text, length)
 
     def _plain_kept(self, key: str, value):
-        """``plain(value)``; the copy made for the previous request when ``value`` has the same
-        :func:`_signature` as the value it was made from, so that an unchanged option is the same object as
-        last time and the segments' comparisons of it stop at identity. Equal signatures mean values of
-        exact JSON types with equal scalars (type, sign of zero), key order and nesting, of which ``plain``
-        builds equal copies; a value ``marshal`` cannot write (another type) is copied every time."""
-        sig = _signature(value)
+        """``plain(value)``: the copy made for the previous request when the new copy has the same
+        :func:`_signature`, so that an unchanged option is the same object as last time and the segments'
+        comparisons of it stop at identity. A copy holds exact JSON types and tuples only, for which equal
+        signatures mean equal scalars (type, sign of zero), key order and nesting."""
+        copy = _t.plain(value)
+        sig = _signature(copy)
         prev = self._plain_options.get(key)
         if prev is not None and prev[1] == sig:  # (_NEVER equals nothing)
             return prev[0]
-        copy = _t.plain(value)
         self._plain_options[key] = (copy, sig)
         return copy
 
@@ -1240,6 +1243,8 @@ class ChatSession:
         skip = 0  # records of the forward loop piece where the streams start that are the same as before
         if self._memos is not None and len(old_pieces) == len(pieces):
             for i, (new, old) in enumerate(zip(pieces, old_pieces)):
+                if type(new) is not type(old):  # the previous render kept its whole text (continue_final_message)
+                    break
                 if isinstance(new, str):
                     if new == old:
                         base += len(new)

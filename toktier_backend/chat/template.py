@@ -22,11 +22,14 @@ Where the template comes from (:func:`load_chat_template`): an explicit file, el
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
+
+import numpy as _np
 
 from toktier_backend.config import special_tokens  # noqa: F401  (the template's variables; one copy, in config.py)
 from toktier_backend.errors import InvalidRequest, UnsupportedTokenizer
@@ -317,7 +320,11 @@ def _compile(source: str):
 
 
 def plain(value: Any) -> Any:
-    """Rebuild ``value`` from JSON types only (the template never sees other objects)."""
+    """Rebuild ``value`` from JSON types (and tuples) only, as transformers 5 ``_plain_template_data`` does
+    (the template never sees other objects): exact scalars as they are; ``str``/``int``/``float``
+    subclasses as their base type; mappings as dicts, lists as lists, tuples as tuples; a numpy scalar as
+    its ``item()``; a dataclass instance as a dict of its fields; an object with ``model_dump`` (pydantic)
+    as its dump; anything else as ``"<TypeName>"``."""
     t = type(value)
     if value is None or t is str or t is int or t is float or t is bool:
         return value
@@ -327,16 +334,22 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
         return {plain(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, list):
         return [plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, _np.generic):
+        return plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return plain(value.model_dump())
     return f"<{type(value).__name__}>"
 
 
@@ -391,7 +404,7 @@ class ChatRenderer:
         chat = [prepare_message(m) for m in messages]
         final = None
         if continue_final_message:
-            final, chat[-1] = continue_message(chat[-1], self.source)
+            final, chat[-1] = continue_message(chat, self.source)
         variables = {**self.special_tokens, **plain(kwargs)}
         try:
             text = self._template.render(messages=chat, tools=plain(tools), documents=plain(documents),
@@ -409,8 +422,6 @@ def check_request(messages: Any, add_generation_prompt: bool, continue_final_mes
         raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
     if continue_final_message and add_generation_prompt:
         raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be set")
-    if continue_final_message and not messages:
-        raise InvalidRequest("continue_final_message needs a last message with string content")
 
 
 def prepare_message(message: Mapping[str, Any]) -> dict:
@@ -424,22 +435,25 @@ def prepare_plain(message: dict) -> dict:
     return _alias_reasoning({k: v for k, v in message.items() if v is not None})
 
 
-def continue_message(message: dict, source: str) -> tuple[str, dict]:
-    """(the text to continue, a copy of ``message`` with the continue tag appended to it), for
-    ``continue_final_message``, as transformers 5 ``render_jinja_template`` does it: the ``content`` string,
-    or of a list of content blocks the last block with a ``"text"`` key (a copy of the list, that block
-    copied with the tag).
+def continue_message(chat: list, source: str) -> tuple[str, dict]:
+    """(the text to continue, a copy of the last message of ``chat`` with the continue tag appended to it),
+    for ``continue_final_message``, as transformers 5 ``render_jinja_template`` does it: the ``content``
+    string, or of a list of content blocks the last block with a ``"text"`` key (a copy of the list, that
+    block copied with the tag).
 
     Raises:
-        InvalidRequest: where transformers raises: no ``content``, a template ``source`` that never names
+        InvalidRequest: where transformers raises: no messages, no ``content``, a template ``source`` that never names
         ``content``, a list with no text block (or a block ``"text" in block`` cannot test, or a string block
         holding ``"text"``: transformers then indexes a string), content of another type, or a text that is
         not a string.
     """
+    if not chat:
+        raise InvalidRequest("continue_final_message needs a final message to continue; the conversation is empty")
+    message = chat[-1]
     content = message.get("content")
     if content is None or "content" not in source:
         raise InvalidRequest("continue_final_message needs a final message with content the template reads")
-    if type(content) is list:
+    if type(content) is list or type(content) is tuple:  # (plain keeps a tuple a tuple, as transformers)
         for i in range(len(content) - 1, -1, -1):
             block = content[i]
             if type(block) is dict:
@@ -448,9 +462,9 @@ def continue_message(message: dict, source: str) -> tuple[str, dict]:
                 text = block["text"]
                 if type(text) is not str:
                     break
-                tagged = [*content[:i], {**block, "text": text + _CONTINUE_TAG}, *content[i + 1:]]
+                tagged = type(content)([*content[:i], {**block, "text": text + _CONTINUE_TAG}, *content[i + 1:]])
                 return text, {**message, "content": tagged}
-            if (type(block) is str or type(block) is list) and "text" not in block:
+            if type(block) in (str, list, tuple) and "text" not in block:
                 continue
             break  # a block "text" in cannot test, or one that holds "text" but is not a dict
         raise InvalidRequest("continue_final_message needs a text block in the final message's content")
