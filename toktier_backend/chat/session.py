@@ -681,7 +681,7 @@ class ChatSession:
         self._next_strict = self._strict
         self._chat: list = []
         self._memos: list | None = None
-        self._plain_options: dict = {}  # option name -> (plain copy, signature of its source): _plain_kept
+        self._plain_options: dict = {}  # option name -> (plain copy, its signature): _plain_kept
 
     # ------------------------------------------------------------ public
 
