@@ -11,8 +11,8 @@ to the reference, or both refuse it. Otherwise (or when minijinja is not install
 renderer and the reason.
 
 The canary admits a template, not every value: per request, values that minijinja does not carry through
-unchanged (floats, ints past 64 bits, an undefined value reaching ``tojson``) send that request to the
-jinja2 reference (:class:`MiniJinjaRenderer`).
+unchanged (floats, ints past 64 bits, tuples, U+001C-U+001F, lone surrogates, an undefined value reaching
+``tojson``) send that request to the jinja2 reference (:class:`MiniJinjaRenderer`).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def _holds(values: list, want_none: bool, strs: list | None = None) -> bool:
 
 
 def _unproven_request(chat: list, *values: Any) -> bool:
-    """:func:`_holds` of prepared messages and other plain values; the messages' string keys and values
-    are gathered by comprehensions (the walk per message costs several times more)."""
+    """:func:`_holds` of prepared messages and other plain values: the messages' string keys and values are
+    gathered by comprehensions over the list, the rest walked (cost: ``docs/design/chat.md``)."""
     strs = [x for m in chat for x in m.values() if type(x) is str]
     strs += [k for m in chat for k in m if type(k) is str]
     rest = [x for m in chat for x in m.values() if type(x) is not str]
@@ -121,8 +121,8 @@ def _unproven_request(chat: list, *values: Any) -> bool:
 class MiniJinjaRenderer:
     """Full renders with minijinja, same arguments and preprocessing as :class:`.template.ChatRenderer`.
 
-    Requests the canary cannot vouch for are rendered by the jinja2 reference instead (both rare in chat
-    traffic; each found by a differential fuzz against the reference):
+    Requests the canary cannot vouch for are rendered by the jinja2 reference instead (rare in chat
+    traffic; each found by a differential fuzz against transformers or a review):
 
     - a float, an int outside the signed 64-bit range, a tuple, or a string holding U+001C-U+001F or a lone
       surrogate, anywhere in the messages, tools, documents, kwargs or special tokens (their plain copies):
