@@ -132,6 +132,46 @@ def test_continue_final_message_like_transformers(name, case, folder):
         assert (got if isinstance(got, str) else got.text) == want, type(r).__name__
 
 
+_FIELD_CASES = [
+    ({"reasoning_content": "Let me think"}, "reasoning_content"),
+    ({"reasoning": "Let me think"}, "reasoning"),  # copied to reasoning_content and thinking, all tagged
+    ({"reasoning": "Let me think"}, "reasoning_content"),
+    ({"thinking": "Let me think", "reasoning_content": "other"}, "thinking"),  # only the equal names tagged
+    ({"reasoning": [{"type": "text", "text": "Let me"}]}, "reasoning"),  # one list under three names
+    ({"reasoning_content": 7}, "reasoning_content"),  # not text: refused
+    ({}, "reasoning_content"),  # absent: refused
+    ({"reasoning_content": "Let me think"}, "content"),
+    ({"name": "bot"}, "name"),  # a field most templates never name: refused by them
+    ({"reasoning_content": "Let me think"}, ""),  # false: no continue
+]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("case", range(len(_FIELD_CASES)))
+def test_continue_final_message_field_like_transformers(name, case, folder):
+    """continue_final_message naming a field (transformers 5): the reasoning names tagged together, other
+    fields alone; each renderer gives transformers' text or refuses what it refuses."""
+    from toktier_backend.chat.session import ChatSession
+    from toktier_backend.chat.template import ChatRenderer
+
+    src, cfg = template_source(name)
+    sp = special_tokens(cfg)
+    extra, field = _FIELD_CASES[case]
+    messages = [{"role": "user", "content": "Write"}, {"role": "assistant", "content": "Once upon", **extra}]
+    renderers = [ChatRenderer(src, sp), ChatSession(src, sp), admit(src, sp).renderer]
+    hf = hf_tokenizer(str(folder(name)))
+    try:
+        want = hf.apply_chat_template(messages, tokenize=False, continue_final_message=field)
+    except Exception:  # noqa: BLE001 - refused by the reference: must be refused here too
+        for r in renderers:
+            with pytest.raises(InvalidRequest):
+                r.render(messages, continue_final_message=field)
+        return
+    for r in renderers:
+        got = r.render(messages, continue_final_message=field)
+        assert (got if isinstance(got, str) else got.text) == want, type(r).__name__
+
+
 def test_continue_final_message_on_no_messages():
     """A clear refusal (not an IndexError) from every renderer."""
     from toktier_backend.chat.session import ChatSession

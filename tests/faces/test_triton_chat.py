@@ -64,7 +64,7 @@ def test_bad_chat_tensors_are_refused_and_start_is_honoured(handler):
         ({}, "exactly one of the inputs"),
         ({"MESSAGES": _s(b"{")}, "not JSON"),
         ({"MESSAGES": _s(b"[]"), "CHAT_TEMPLATE_KWARGS": _s(b"[1]")}, "must be a JSON object"),
-        ({"MESSAGES": _s(b"[]"), "CHAT_TEMPLATE_KWARGS": _s(b'{"continue_final_message": "yes"}')}, "boolean"),
+        ({"MESSAGES": _s(b"[]"), "CHAT_TEMPLATE_KWARGS": _s(b'{"continue_final_message": 1}')}, "boolean"),
     ]:
         with pytest.raises(InvalidRequest, match=why):
             handler.handle_session_tensors(9, inputs, start=True, end=False)

@@ -81,3 +81,16 @@ def test_keywords_we_do_not_render_go_to_transformers(chat_folder):
         got = ours.apply_chat_template(msgs, tokenize=True, return_dict=False, **kw)
         assert got == hf.apply_chat_template(msgs, tokenize=True, return_dict=False, **kw), kw
         assert (value("toktier_chat_renders_total", face="vllm") > before) == via_core, kw
+
+
+def test_continue_final_message_naming_a_field(chat_folder):
+    """transformers 5 takes ``continue_final_message="reasoning_content"``: rendered by the core, equal to
+    transformers, as the ``True`` form is."""
+    ours, hf, value = _pair(chat_folder("qwen3"))
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok", "reasoning_content": "Let me see"}]
+    for cont in ("reasoning_content", True):
+        before = value("toktier_chat_renders_total", face="vllm")
+        got = ours.apply_chat_template(msgs, tokenize=True, return_dict=False, continue_final_message=cont)
+        assert got == hf.apply_chat_template(msgs, tokenize=True, return_dict=False, continue_final_message=cont)
+        assert value("toktier_chat_renders_total", face="vllm") == before + 1, cont

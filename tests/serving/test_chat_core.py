@@ -296,7 +296,9 @@ def test_errors_are_clear_and_leave_the_session(chat_folder, tmp_path):
         core.chat(ORIGIN, msgs, key="k", chat_template_kwargs={"tools": []})
     with pytest.raises(InvalidRequest, match="both be set"):
         core.chat(ORIGIN, msgs, key="k", add_generation_prompt=True, continue_final_message=True)
-    assert value("toktier_request_errors_total", face="triton", code="INVALID_ARG") == 3
+    with pytest.raises(InvalidRequest, match="boolean or the name of the field"):
+        core.chat(ORIGIN, msgs, key="k", continue_final_message=1)
+    assert value("toktier_request_errors_total", face="triton", code="INVALID_ARG") == 4
     again = core.chat(ORIGIN, msgs, key="k", add_generation_prompt=True)
     assert again.ids.tolist() == first.ids.tolist() and again.route == "noop"
     bare = ServingCore(tt.load_tokenizer(str(folder / "tokenizer.json")))

@@ -167,7 +167,7 @@ class MiniJinjaRenderer:
         chat = [_t.prepare_message(m) for m in messages]
         final = None
         if continue_final_message:
-            final, chat[-1] = _t.continue_message(chat, self.source)
+            final, chat[-1] = _t.continue_message(chat, self.source, continue_final_message)
         tools, documents, extra = _t.plain(tools), _t.plain(documents), _t.plain(kwargs)
         if _unproven_request(chat, tools, documents, extra, self.special_tokens):
             return self._reference_render(messages, tools, documents, add_generation_prompt,

@@ -697,7 +697,7 @@ class ChatSession:
         tools: list[Any] | None = None,
         documents: list[Any] | None = None,
         add_generation_prompt: bool = False,
-        continue_final_message: bool = False,
+        continue_final_message: bool | str = False,
         same_prefix: int | None = None,
         **kwargs: Any,
     ) -> ChatRender:
@@ -820,7 +820,7 @@ class ChatSession:
         final = None
         if continue_final_message:
             chat = list(chat)
-            final, chat[-1] = _t.continue_message(chat, self.reference.source)
+            final, chat[-1] = _t.continue_message(chat, self.reference.source, continue_final_message)
             snaps = list(snaps)
             snaps[-1] = _NEVER
             if self._raw is not None:

@@ -381,7 +381,7 @@ class ChatRenderer:
         tools: list[Any] | None = None,
         documents: list[Any] | None = None,
         add_generation_prompt: bool = False,
-        continue_final_message: bool = False,
+        continue_final_message: bool | str = False,
         **kwargs: Any,
     ) -> str:
         """The prompt text of ``messages``.
@@ -391,8 +391,9 @@ class ChatRenderer:
                 reasoning is copied to ``reasoning_content`` and ``thinking``, as transformers does).
             tools, documents: passed to the template as is (plain JSON).
             add_generation_prompt: open an assistant turn at the end.
-            continue_final_message: end the text inside the last message's ``content`` (string content only),
-                so the model continues it.
+            continue_final_message: end the text inside the last message's ``content`` (a string, or the last
+                text block), or inside the field a string names, so the model continues it
+                (:func:`continue_message`).
             **kwargs: more template variables (override the special tokens).
 
         Raises:
@@ -404,7 +405,7 @@ class ChatRenderer:
         chat = [prepare_message(m) for m in messages]
         final = None
         if continue_final_message:
-            final, chat[-1] = continue_message(chat, self.source)
+            final, chat[-1] = continue_message(chat, self.source, continue_final_message)
         variables = {**self.special_tokens, **plain(kwargs)}
         try:
             text = self._template.render(messages=chat, tools=plain(tools), documents=plain(documents),
@@ -416,7 +417,7 @@ class ChatRenderer:
         return finish_continue(text, final)
 
 
-def check_request(messages: Any, add_generation_prompt: bool, continue_final_message: bool) -> None:
+def check_request(messages: Any, add_generation_prompt: bool, continue_final_message: Any) -> None:
     """Raise :class:`InvalidRequest` for a malformed ``messages`` list or contradictory flags."""
     if not isinstance(messages, list) or not all(t is dict or issubclass(t, Mapping) for t in set(map(type, messages))):
         raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
@@ -435,42 +436,51 @@ def prepare_plain(message: dict) -> dict:
     return _alias_reasoning({k: v for k, v in message.items() if v is not None})
 
 
-def continue_message(chat: list, source: str) -> tuple[str, dict]:
+def continue_message(chat: list, source: str, flag: Any = True) -> tuple[str, dict]:
     """(the text to continue, a copy of the last message of ``chat`` with the continue tag appended to it),
-    for ``continue_final_message``, as transformers 5 ``render_jinja_template`` does it: the ``content``
-    string, or of a list of content blocks the last block with a ``"text"`` key (a copy of the list, that
-    block copied with the tag).
+    for ``continue_final_message=flag``, as transformers 5 ``render_jinja_template`` does it. ``flag`` a
+    string names the field continued (e.g. ``"reasoning_content"``), any other true value is
+    ``"content"``. A reasoning field (``reasoning_content``, ``thinking``, ``reasoning``) tags every one of
+    them that equals it, and the template must name one of those; another field must be named itself. A
+    string value is continued; of a list (or tuple) of content blocks, the last block with a ``"text"``
+    key (a copy of the list, that block copied with the tag, under every key of the message that holds
+    that same list: :func:`prepare_plain` shares the reasoning value among its names, and transformers
+    tags the block in place).
 
     Raises:
-        InvalidRequest: where transformers raises: no messages, no ``content``, a template ``source`` that never names
-        ``content``, a list with no text block (or a block ``"text" in block`` cannot test, or a string block
-        holding ``"text"``: transformers then indexes a string), content of another type, or a text that is
-        not a string.
+        InvalidRequest: where transformers raises: no messages, the field absent or ``None``, a template
+        ``source`` that names none of the fields tagged, a list with no text block (or a block ``"text" in
+        block`` cannot test, or a string block holding ``"text"``: transformers then indexes a string), a
+        value of another type, or a text that is not a string.
     """
     if not chat:
         raise InvalidRequest("continue_final_message needs a final message to continue; the conversation is empty")
+    field = flag if isinstance(flag, str) else "content"
     message = chat[-1]
-    content = message.get("content")
-    if content is None or "content" not in source:
-        raise InvalidRequest("continue_final_message needs a final message with content the template reads")
-    if type(content) is list or type(content) is tuple:  # (plain keeps a tuple a tuple, as transformers)
-        for i in range(len(content) - 1, -1, -1):
-            block = content[i]
+    value = message.get(field)
+    if value is None:
+        raise InvalidRequest(f"continue_final_message needs a final message with {field!r} to continue")
+    fields = [f for f in _REASONING_FIELDS if message.get(f) == value] if field in _REASONING_FIELDS else [field]
+    if not any(f in source for f in fields):
+        raise InvalidRequest(f"continue_final_message: the chat template reads no {' or '.join(map(repr, fields))}")
+    if type(value) is list or type(value) is tuple:  # (plain keeps a tuple a tuple, as transformers)
+        for i in range(len(value) - 1, -1, -1):
+            block = value[i]
             if type(block) is dict:
                 if "text" not in block:
                     continue
                 text = block["text"]
                 if type(text) is not str:
                     break
-                tagged = type(content)([*content[:i], {**block, "text": text + _CONTINUE_TAG}, *content[i + 1:]])
-                return text, {**message, "content": tagged}
+                tagged = type(value)([*value[:i], {**block, "text": text + _CONTINUE_TAG}, *value[i + 1:]])
+                return text, {k: tagged if v is value else v for k, v in message.items()}
             if type(block) in (str, list, tuple) and "text" not in block:
                 continue
             break  # a block "text" in cannot test, or one that holds "text" but is not a dict
-        raise InvalidRequest("continue_final_message needs a text block in the final message's content")
-    if type(content) is not str:
-        raise InvalidRequest("continue_final_message needs a final message with string or text-block content")
-    return content, {**message, "content": content + _CONTINUE_TAG}
+        raise InvalidRequest(f"continue_final_message needs a text block in the final message's {field!r}")
+    if type(value) is not str:
+        raise InvalidRequest(f"continue_final_message needs a string or text blocks in the final message's {field!r}")
+    return value, {**message, **{f: value + _CONTINUE_TAG for f in fields}}
 
 
 def finish_continue(text: str, final: str | None) -> str:

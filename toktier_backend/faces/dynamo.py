@@ -249,7 +249,7 @@ class ChatProcessor:
         kwargs = request.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise InvalidRequest("chat_template_kwargs must be an object")
-        cont = bool(request.get("continue_final_message", False))
+        cont = request.get("continue_final_message", False)  # a bool, or a field name (ServingCore.chat checks)
         return self.sessions.chat(
             session_key(request),
             request.get("messages"),

@@ -183,7 +183,7 @@ class TokenProxy:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ProxyError(400, "chat_template_kwargs must be an object")
-        cont = bool(body.get("continue_final_message", False))
+        cont = body.get("continue_final_message", False)  # a bool, or a field name (ServingCore.chat checks)
         flag = body.get("add_special_tokens", False)
         if not isinstance(flag, bool):
             raise ProxyError(400, f"add_special_tokens must be a boolean, got {flag!r}")

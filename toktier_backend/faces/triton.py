@@ -213,7 +213,7 @@ class Handler:
         add_generation_prompt: bool = False,
         tools: list | None = None,
         documents: list | None = None,
-        continue_final_message: bool = False,
+        continue_final_message: bool | str = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         start: bool = False,
         end: bool = False,

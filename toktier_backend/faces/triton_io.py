@@ -170,8 +170,9 @@ def chat_args(inputs: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
     kwargs = _json_object(inputs, "CHAT_TEMPLATE_KWARGS")
     options = {k: kwargs.pop(k) for k in CHAT_OPTION_KEYS if k in kwargs}
     cont = options.get("continue_final_message", False)
-    if not isinstance(cont, bool):
-        raise InvalidRequest(f"CHAT_TEMPLATE_KWARGS continue_final_message must be a boolean, got {cont!r}.")
+    if not isinstance(cont, (bool, str)):
+        raise InvalidRequest("CHAT_TEMPLATE_KWARGS continue_final_message must be a boolean or the name of the "
+                             f"field to continue, got {cont!r}.")
     return {
         "messages": messages_bytes(scalar(inputs, "MESSAGES")),
         "mode": scalar(inputs, "MODE"),

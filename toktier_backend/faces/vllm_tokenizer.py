@@ -408,7 +408,7 @@ class TokTierTokenizer:
         found again by its first messages), or ``None`` when transformers must render it: the template
         transformers would pick (``get_chat_template(chat_template, tools)``) is not the core's, the
         messages are not a non-empty list of dicts of JSON values (checked one level deep), ``tools`` holds
-        callables, ``continue_final_message`` is not a bool or comes with ``add_generation_prompt``, or
+        callables, ``continue_final_message`` is neither a bool nor a field name or comes with ``add_generation_prompt``, or
         ``sanitize_control_tokens`` is set. Every other keyword is a template variable, as in
         transformers' ``render_jinja_template``; the special tokens are the HF tokenizer's
         ``special_tokens_map`` (:func:`_use_hf_chat_template`)."""
@@ -419,7 +419,7 @@ class TokTierTokenizer:
             return None
         kw = dict(kwargs)
         agp, cont = kw.pop("add_generation_prompt", False), kw.pop("continue_final_message", False)
-        if not isinstance(agp, bool) or not isinstance(cont, bool) or (agp and cont) or kw.pop("sanitize_control_tokens", False):
+        if not isinstance(agp, bool) or not isinstance(cont, (bool, str)) or (agp and cont) or kw.pop("sanitize_control_tokens", False):
             return None
         documents = kw.pop("documents", None)
         try:

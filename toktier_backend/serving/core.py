@@ -677,7 +677,7 @@ class ServingCore:
         tools: list[Any] | None = None,
         documents: list[Any] | None = None,
         add_generation_prompt: bool = False,
-        continue_final_message: bool = False,
+        continue_final_message: bool | str = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
         reply: str | bytes | None = None,
@@ -1320,12 +1320,16 @@ def _chat_options(tools, documents, add_generation_prompt, continue_final_messag
     """The render's keyword arguments.
 
     Raises:
-        InvalidRequest: ``tools`` / ``documents`` not lists, ``chat_template_kwargs`` not an object of string
-            keys, or one of its keys is a name the request sets itself.
+        InvalidRequest: ``tools`` / ``documents`` not lists, ``continue_final_message`` neither a bool nor a
+            string (a field name, as transformers 5 takes it), ``chat_template_kwargs`` not an object of
+            string keys, or one of its keys is a name the request sets itself.
     """
     for name, v in (("tools", tools), ("documents", documents)):
         if v is not None and not isinstance(v, list):
             raise InvalidRequest(f"{name} must be a list (JSON array) or absent, got {type(v).__name__}")
+    if not isinstance(continue_final_message, (bool, str)):
+        raise InvalidRequest("continue_final_message must be a boolean or the name of the field to continue, got "
+                             f"{type(continue_final_message).__name__}")
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, Mapping):
@@ -1334,7 +1338,7 @@ def _chat_options(tools, documents, add_generation_prompt, continue_final_messag
     if bad:
         raise InvalidRequest(f"chat_template_kwargs may not set {bad!r}: send them as the request's own fields")
     return {**kwargs, "tools": tools, "documents": documents, "add_generation_prompt": bool(add_generation_prompt),
-            "continue_final_message": bool(continue_final_message)}
+            "continue_final_message": continue_final_message}
 
 
 def _parsed(messages):
