@@ -120,14 +120,14 @@ def test_every_renderer_equals_transformers(name, folder):
     conv = gen.edit([])
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"a": 0.0, "b": [1, True]}}}]
     checked = 0
-    for _ in range(TURNS):
+    for turn in range(TURNS):
         options = {"add_generation_prompt": gen.r.random() < 0.7}
         if gen.r.random() < 0.4:
             tools = gen.twin(tools) or tools
         if gen.r.random() < 0.7:
             options["tools"] = tools
         if not options["add_generation_prompt"] and gen.r.random() < 0.15:
-            options["continue_final_message"] = True
+            options["continue_final_message"] = (True, "content", "reasoning_content", "reasoning")[turn % 4]
         try:
             want = hf.apply_chat_template(conv, tokenize=False, **options)
         except Exception:  # noqa: BLE001 - refused by transformers: every renderer must refuse
