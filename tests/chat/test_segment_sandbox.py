@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from jinja2.runtime import Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from tests.chat.corpus import conversation
 from tests.chat.test_session import Checker, _files
@@ -186,6 +187,57 @@ def test_call_equals_the_stock_sandbox():
     for f, args in [("".join, (Stop(),)), ("ab".center, (Stop(),)), ("a b".split, (" ", Stop()))]:
         got, want = fast.call(ctx, f, *args), stock.call(ctx, f, *args)
         assert isinstance(got, Undefined) and _same(got, want), (f, got, want)
+
+
+def _result(env, ctx, f, args, kw):
+    try:
+        out = env.call(ctx, f, *args, **dict(kw))
+    except Exception as e:  # noqa: BLE001 - the same error on both paths
+        return (type(e), str(e))
+    if isinstance(out, Undefined):
+        return ("undefined", out._undefined_hint)
+    if isinstance(out, Namespace):
+        return (type(out), object.__getattribute__(out, "_Namespace__attrs"))
+    return out
+
+
+def test_direct_calls_equal_the_stock_sandbox():
+    """The globals the environments get (``namespace``, ``raise_exception``, ``strftime_now``, ``dict``) and
+    a :class:`SandboxCall` (the session's comparison recorder) are called directly: what the stock path gives
+    (values, errors, an undefined for a ``StopIteration``), and the attributes the proof relies on."""
+    from jinja2 import Template
+    from jinja2.utils import _PassArg
+
+    from toktier_backend.chat.session import _Compare, _Rec, _recording_namespace_class
+    from toktier_backend.chat.template import SandboxCall, sandbox_environment
+
+    fast, stock = plain_fast_sandbox(), sandbox_environment()
+    g = stock.globals
+    ctx = Template("x").new_context({})
+    ns_class = _recording_namespace_class()
+    compare = _Compare(ns_class, fast.getattr)
+    rec_ns = ns_class("ns", {("ns", "i"): 3}, _Rec(None, 0))
+
+    class Stop:
+        def __iter__(self):
+            raise StopIteration
+
+    cases = [(g["namespace"], (), {"a": 1, "_loop_vars": {}, "_block_vars": {}}), (g["namespace"], ({"b": 2},), {}),
+             (g["namespace"], (), {"_x": 1}), (g["namespace"], (Stop(),), {}), (g["raise_exception"], ("no",), {}),
+             (g["strftime_now"], ("%Y",), {"_loop_vars": {}}), (g["dict"], (), {"a": 1}),
+             (g["dict"], ([("k", "v")],), {"_block_vars": {}}), (g["dict"], (Stop(),), {}),
+             (compare, ({"i": 1}, "m", "i", "gt", "left", 0), {}), (compare, (rec_ns, "ns", "i", "lt", "right", 5), {}),
+             (compare, ({"i": 1}, "m", "i", "gt", "left", "s"), {})]
+    for f, args, kw in cases:
+        assert _result(fast, ctx, f, args, kw) == _result(stock, ctx, f, args, kw), (f, args, kw)
+    for f in (*g.values(), compare):  # the proof's premises (template.SandboxCall, PlainFastSandbox.call)
+        assert stock.is_safe_callable(f) and _PassArg.from_obj(f) is None and _PassArg.from_obj(f.__call__) is None
+    assert isinstance(compare, SandboxCall)
+    # a template that binds the name to its own object reaches the stock path: no call of an unsafe one
+    from jinja2.sandbox import SecurityError, unsafe
+
+    with pytest.raises(SecurityError):
+        fast.call(ctx, unsafe(lambda: 1))
 
 
 def test_format_through_the_segments_is_the_sandboxed_one(folder):

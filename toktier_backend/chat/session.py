@@ -301,13 +301,20 @@ _OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "gteq": operato
         "lteq": operator.le}
 
 
-def _comparer(ns_class, getattr_):
+class _Compare(_t.SandboxCall):
     """The body's comparison recorder (analysis O6): ``x.attr <op> other`` evaluated as jinja would; for a
     recording namespace whose attribute this iteration has not read or written yet, the outcome is recorded
-    instead of the value."""
+    instead of the value. A :class:`.template.SandboxCall`: neither the class nor its ``__call__`` has an
+    attribute its contract excludes."""
 
-    def compare(obj, _name, attr, op, side, other):
-        if type(obj) is ns_class:
+    __slots__ = ("_ns_class", "_getattr")
+
+    def __init__(self, ns_class, getattr_):
+        self._ns_class = ns_class
+        self._getattr = getattr_
+
+    def __call__(self, obj, _name, attr, op, side, other):
+        if type(obj) is self._ns_class:
             nsname, state, rec = object.__getattribute__(obj, "_r")
             key = (nsname, attr)
             v = state.get(key, MISSING)
@@ -317,10 +324,8 @@ def _comparer(ns_class, getattr_):
                     raise _Fallback("a comparison gave a non-bool")
                 rec.cmps.setdefault(key, []).append((op, side, other, out))
                 return out
-        v = getattr_(obj, attr)
+        v = self._getattr(obj, attr)
         return _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
-
-    return compare
 
 
 def _reader_ok(rec: _Rec, key, v) -> bool:
@@ -655,7 +660,7 @@ class ChatSession:
 
         self._namespace = Namespace
         self._undefined = _t.segment_environment().undefined
-        self._compare = _comparer(self._ns_class, _t.segment_environment().getattr)
+        self._compare = _Compare(self._ns_class, _t.segment_environment().getattr)
         self.reset()
 
     def reset(self) -> None:

@@ -162,6 +162,17 @@ class SandboxPlain:
     __slots__ = ()
 
 
+class SandboxCall:
+    """Base class of callables the sandbox calls directly (the session's comparison recorder). A subclass
+    must hold: neither the class nor its ``__call__`` has a ``jinja_pass_arg``, ``unsafe_callable`` or
+    ``alters_data`` attribute. Then jinja2's ``SandboxedEnvironment.call`` finds the object safe
+    (``is_safe_callable``) and ``Context.call`` passes it no context, environment or eval context
+    (``_PassArg.from_obj`` of it and of its ``__call__`` is ``None``): it drops the ``_loop_vars`` and
+    ``_block_vars`` keywords and calls the object, a ``StopIteration`` giving an undefined."""
+
+    __slots__ = ()
+
+
 # names ``getattr(d, name)`` finds on an exact ``dict`` instance: its type's MRO (a dict has no instance
 # ``__dict__`` and its type no ``__getattr__``); for every other name it raises ``AttributeError``
 DICT_ATTRIBUTES = frozenset(name for cls in dict.__mro__ for name in vars(cls))
@@ -170,6 +181,10 @@ DICT_ATTRIBUTES = frozenset(name for cls in dict.__mro__ for name in vars(cls))
 @lru_cache(maxsize=1)
 def _plain_fast_sandbox_class():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # the globals every environment gets (_additions is cached: these objects live as long as the module,
+    # so their ids name them)
+    direct = frozenset(map(id, _additions()[1].values()))
 
     class PlainFastSandbox(ImmutableSandboxedEnvironment):
         """``ImmutableSandboxedEnvironment`` whose ``getattr`` returns early, with the value the stock one
@@ -189,11 +204,14 @@ def _plain_fast_sandbox_class():
         Anything else, and every ``AttributeError`` of the last two cases, takes the stock path.
 
         ``call`` of a ``str`` method other than ``format``/``format_map`` (a builtin method bound to an exact
-        ``str``) calls it directly: the stock ``SandboxedEnvironment.call`` finds it safe (a builtin method
-        has no ``unsafe_callable`` or ``alters_data`` attribute), then ``Context.call`` finds no
-        ``jinja_pass_arg`` on it or its ``__call__``, drops the ``_loop_vars``/``_block_vars`` keywords and
-        calls it, mapping a ``StopIteration`` (an argument's ``__iter__`` or ``__index__`` may raise one) to
-        the same undefined as here. A keyword that the stock signatures would take as one of their own
+        ``str``), of a global that :func:`_additions` made (``namespace``, ``raise_exception``,
+        ``strftime_now``, ``dict``: those objects, by identity; a name a template binds to something else
+        takes the stock path) or of a :class:`SandboxCall` calls it directly: the stock
+        ``SandboxedEnvironment.call`` finds it safe (none of them has an ``unsafe_callable`` or
+        ``alters_data`` attribute), then ``Context.call`` finds no ``jinja_pass_arg`` on it or its
+        ``__call__``, drops the ``_loop_vars``/``_block_vars`` keywords and calls it, mapping a
+        ``StopIteration`` (an argument's ``__iter__`` or ``__index__`` may raise one) to the same undefined as
+        here (the globals' attributes are asserted in the tests). A keyword that the stock signatures would take as one of their own
         (``_Context__obj``, ...) gives a ``TypeError`` on both paths, with another message.
         """
 
@@ -222,8 +240,9 @@ def _plain_fast_sandbox_class():
             return super().getattr(obj, attribute)
 
         def call(self, context, obj, /, *args, **kwargs):  # positional-only: any keyword goes to obj
-            if (type(obj) is _BUILTIN_METHOD and type(obj.__self__) is str and obj.__name__ != "format"
-                    and obj.__name__ != "format_map"):
+            t = type(obj)
+            if ((t is _BUILTIN_METHOD and type(obj.__self__) is str and obj.__name__ != "format"
+                    and obj.__name__ != "format_map") or id(obj) in direct or issubclass(t, SandboxCall)):
                 kwargs.pop("_loop_vars", None)
                 kwargs.pop("_block_vars", None)
                 try:
