@@ -6,8 +6,8 @@ implementation: its ``tojson`` escapes HTML characters, its Python-method compat
 no ``{% generation %}`` tag. So, as for tokenizer engines (:mod:`toktier_backend.engines.admission`), a
 template is rendered by minijinja only if, at load, every probe conversation of :data:`PROBES` (system or
 not, tools, tool calls and results, reasoning, unicode and special-token text, add_generation_prompt on and
-off, continue_final_message, a request the template refuses with ``raise_exception``) gives text identical
-to the reference, or both refuse it. Otherwise (or when minijinja is not installed) :func:`admit` returns no
+off, continue_final_message of the content, of a named field and of content blocks, a request the template
+refuses with ``raise_exception``) gives text identical to the reference, or both refuse it. Otherwise (or when minijinja is not installed) :func:`admit` returns no
 renderer and the reason.
 
 The canary admits a template, not every value: per request, values that minijinja does not carry through
@@ -48,6 +48,10 @@ PROBES: list[tuple[list[dict], dict]] = [
     ([{"role": "user", "content": "Ünïcødé 😀 <|im_end|> <|eot_id|> <｜User｜> {{ x }} {% raw %}"},
       {"role": "assistant", "content": "日本語\t\r\n ok"}], {"add_generation_prompt": True, "enable_thinking": False}),
     ([{"role": "user", "content": "Write"}, {"role": "assistant", "content": "Once upon"}],
+     {"continue_final_message": True}),
+    ([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "reasoning_content": "Let me"}],
+     {"continue_final_message": "reasoning_content"}),
+    ([{"role": "user", "content": "Write"}, {"role": "assistant", "content": [{"type": "text", "text": "Once"}]}],
      {"continue_final_message": True}),
     ([{"role": "assistant", "content": "first"}, {"role": "assistant", "content": "second"}],
      {"add_generation_prompt": True}),
