@@ -60,6 +60,7 @@ def test_gemma3_alias_forms():
     ("{% macro f(m) %}{{ m.content }}{% endmacro %}{% for m in messages %}{{ f(m) }}{% endfor %}", "Macro"),
     ("{% for m in messages %}{{ messages.index(m) }}{% endfor %}", "not modelled"),
     ("{{ messages|map(attribute='content')|join }}", "no root-level loop"),
+    ("{% for m in messages %}{{ m.content }}{{ toktier_compare__ }}{% endfor %}", "comparison recorder"),
 ])
 def test_templates_that_defeat_the_analysis(source, why):
     plan = analyze(source)

@@ -11,7 +11,7 @@ from tests.chat.conftest import hf_tokenizer
 from tests.chat.corpus import TEMPLATES, template_source
 from toktier_backend import jsonio
 from toktier_backend.chat.fast import PROBES, MiniJinjaRenderer, admit
-from toktier_backend.chat.template import special_tokens
+from toktier_backend.chat.template import ChatRenderer, special_tokens
 from toktier_backend.errors import InvalidRequest
 
 
@@ -163,6 +163,19 @@ def test_refused_when_output_differs():
     tag = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
     adm = admit(tag)
     assert adm.renderer is None and "compile" in adm.reason
+
+
+@pytest.mark.parametrize("call", ["dict(_Context__self=0)", "dict(_SandboxedEnvironment__obj=1)",
+                                  "namespace(_Context__obj=2)", "dict(**m)"])
+def test_refused_for_keywords_jinja2_binds(call):
+    """jinja2's own ``call`` signatures take these keywords (a ``TypeError``), minijinja passes them on: such
+    templates are not admitted, and the reference raises for them."""
+    src = "{% for m in messages %}{{ m.content }}{{ " + call + " }}{% endfor %}"
+    adm = admit(src)
+    assert adm.renderer is None and "line 1" in adm.reason
+    if "**" not in call:
+        with pytest.raises(InvalidRequest, match="TypeError"):
+            ChatRenderer(src).render([{"role": "user", "content": "hi"}])
 
 
 def test_tojson_not_html_escaped():

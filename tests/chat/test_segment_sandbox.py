@@ -12,8 +12,8 @@ from jinja2.utils import Namespace
 
 from tests.chat.corpus import conversation
 from tests.chat.test_session import Checker, _files
-from toktier_backend.chat.template import (DICT_ATTRIBUTES, SandboxPlain, fast_sandbox_proven, plain_fast_sandbox,
-                                           segment_environment)
+from toktier_backend.chat.template import (DICT_ATTRIBUTES, STOCK_CALL_PARAMETERS, SandboxPlain, fast_sandbox_proven,
+                                           plain_fast_sandbox, segment_environment)
 
 NAMES = ["content", "role", "items", "keys", "get", "pop", "update", "clear", "setdefault", "copy", "fromkeys",
          "format", "format_map", "strip", "split", "upper", "startswith", "__class__", "__dict__", "__init__",
@@ -228,11 +228,23 @@ def test_direct_calls_equal_the_stock_sandbox():
              (g["dict"], ([("k", "v")],), {"_block_vars": {}}), (g["dict"], (Stop(),), {}),
              (compare, ({"i": 1}, "m", "i", "gt", "left", 0), {}), (compare, (rec_ns, "ns", "i", "lt", "right", 5), {}),
              (compare, ({"i": 1}, "m", "i", "gt", "left", "s"), {})]
+    # keywords the stock signatures bind themselves: the same TypeError (message included) on both paths
+    cases += [(f, (), {name: 0}) for f in (g["dict"], g["namespace"], g["raise_exception"], compare, "a".strip)
+              for name in STOCK_CALL_PARAMETERS]
     for f, args, kw in cases:
         assert _result(fast, ctx, f, args, kw) == _result(stock, ctx, f, args, kw), (f, args, kw)
     for f in (*g.values(), compare):  # the proof's premises (template.SandboxCall, PlainFastSandbox.call)
         assert stock.is_safe_callable(f) and _PassArg.from_obj(f) is None and _PassArg.from_obj(f.__call__) is None
     assert isinstance(compare, SandboxCall)
+    # STOCK_CALL_PARAMETERS are exactly the parameters of the two stock call methods (name-mangled)
+    import inspect
+
+    from jinja2.runtime import Context
+    from jinja2.sandbox import SandboxedEnvironment
+
+    own = {p.name for m in (SandboxedEnvironment.call, Context.call) for p in inspect.signature(m).parameters.values()
+           if p.kind is p.POSITIONAL_OR_KEYWORD}
+    assert own == STOCK_CALL_PARAMETERS
     # a template that binds the name to its own object reaches the stock path: no call of an unsafe one
     from jinja2.sandbox import SecurityError, unsafe
 
@@ -284,3 +296,22 @@ def test_sandbox_errors_are_the_full_renders(body, raises, folder):
     conv = conversation("qwen2_5", _files()[1])[:4]
     for i in (2, 3, 4):
         assert (check.step(conv[:i]) is not None) == raises
+
+
+def test_a_keyword_the_stock_call_binds_is_refused_on_the_incremental_path_too():
+    """``dict(_Context__self=0)`` raises ``TypeError`` in jinja2's sandbox; a loop body re-rendered on the
+    incremental path must not render it (found in review: the direct call passed it to ``dict``)."""
+    from toktier_backend.chat.session import ChatSession
+    from toktier_backend.chat.template import ChatRenderer
+    from toktier_backend.errors import InvalidRequest
+
+    src = ("{%- for m in messages %}{% if m.role == 'assistant' %}{{ dict(_Context__self=0) }}{% endif %}"
+           "{{ m.content }}{% endfor %}")
+    first = [{"role": "user", "content": "hi"}]
+    later = first + [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "q"}]
+    session = ChatSession(src, fast_full=False)
+    assert session.render(first, add_generation_prompt=True).text == ChatRenderer(src).render(first)
+    with pytest.raises(InvalidRequest, match="TypeError"):
+        ChatRenderer(src).render(later)
+    with pytest.raises(InvalidRequest, match="TypeError"):
+        session.render(later, add_generation_prompt=True)

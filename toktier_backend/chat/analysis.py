@@ -59,7 +59,9 @@ O6. Comparisons: ``x.attr <op> e`` (or ``e <op> x.attr``) with ``<op>`` one of `
     ``e``; it evaluates exactly what jinja would (the sandbox's ``getattr``, then Python's operator) and,
     when ``x`` is a namespace, records the outcome instead of the value: the iteration depends on
     ``x.attr`` only through that outcome. (Qwen3's ``loop.index0 > ns.last_query_index``: a new user query
-    moves the index but leaves the outcome of earlier turns unchanged.)
+    moves the index but leaves the outcome of earlier turns unchanged.) The recorder's name is bound in
+    loop bodies only: a template that names it itself is not incremental (it would read the recorder where
+    the reference reads an undefined).
 O7. Reusable plain statements: a root statement other than a loop over messages that contains no
     ``set`` (``Assign``, ``AssignBlock``, namespace attribute targets), no macro, call block, ``with``,
     include or import (so it binds no name and writes no namespace: its only effect is its output, or an
@@ -202,6 +204,8 @@ def _plan(env, root) -> Plan:
     for node in root.body:
         if type(node).__name__ in _ROOT_UNSUPPORTED:
             raise _NotIncremental(f"root-level {type(node).__name__} (O1)")
+    if any(n.name == COMPARE for n in root.find_all(nodes.Name)):
+        raise _NotIncremental(f"the template names {COMPARE!r}, the loop bodies' comparison recorder")
     aliases = _aliases(root)
     plan = Plan()
     pending: list = []

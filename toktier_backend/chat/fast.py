@@ -213,6 +213,9 @@ def admit(source: str, special_tokens: Mapping[str, str] | None = None) -> Admis
         return Admission(None, f"minijinja not installed ({e})")
     except Exception as e:  # noqa: BLE001 - a template minijinja cannot compile is simply not admitted
         return Admission(None, f"minijinja does not compile the template: {type(e).__name__}: {e}")
+    odd = _odd_calls(source)
+    if odd:
+        return Admission(None, odd)
     ref = _t.ChatRenderer(source, special_tokens)
     for i, (messages, options) in enumerate(PROBES):
         want = _outcome(ref, messages, options)
@@ -220,6 +223,21 @@ def admit(source: str, special_tokens: Mapping[str, str] | None = None) -> Admis
         if want != got:
             return Admission(None, f"probe {i}: minijinja gives {got[1][:80]!r}, jinja2 {want[1][:80]!r}")
     return Admission(fast, None)
+
+
+def _odd_calls(source: str) -> str | None:
+    """Why minijinja may not render ``source`` though every probe agrees, else ``None``: a call that passes
+    keywords from a mapping (``f(**x)``) or names a keyword that jinja2's own ``call`` signatures bind
+    (:data:`.template.STOCK_CALL_PARAMETERS`: jinja2 raises ``TypeError``, minijinja passes it on)."""
+    from jinja2 import nodes
+
+    for call in _t.sandbox_environment().parse(source).find_all(nodes.Call):
+        if call.dyn_kwargs is not None:
+            return f"line {call.lineno}: a call with **keywords (jinja2 refuses some names minijinja passes)"
+        for kw in call.kwargs:
+            if kw.key in _t.STOCK_CALL_PARAMETERS:
+                return f"line {call.lineno}: keyword {kw.key!r} (jinja2 refuses it, minijinja passes it)"
+    return None
 
 
 def _outcome(renderer, messages, options) -> tuple[bool, str]:

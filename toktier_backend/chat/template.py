@@ -173,6 +173,12 @@ class SandboxCall:
     __slots__ = ()
 
 
+#: Keyword names that jinja2 3.1's ``SandboxedEnvironment.call(__self, __context, __obj, ...)`` and
+#: ``Context.call(__self, __obj, ...)`` bind to their own (name-mangled) parameters.
+STOCK_CALL_PARAMETERS = frozenset({"_SandboxedEnvironment__self", "_SandboxedEnvironment__context",
+                                   "_SandboxedEnvironment__obj", "_Context__self", "_Context__obj"})
+
+
 # names ``getattr(d, name)`` finds on an exact ``dict`` instance: its type's MRO (a dict has no instance
 # ``__dict__`` and its type no ``__getattr__``); for every other name it raises ``AttributeError``
 DICT_ATTRIBUTES = frozenset(name for cls in dict.__mro__ for name in vars(cls))
@@ -182,9 +188,9 @@ DICT_ATTRIBUTES = frozenset(name for cls in dict.__mro__ for name in vars(cls))
 def _plain_fast_sandbox_class():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    # the globals every environment gets (_additions is cached: these objects live as long as the module,
-    # so their ids name them)
-    direct = frozenset(map(id, _additions()[1].values()))
+    # the globals every environment gets, by id, each with its object (an id is trusted only while it names
+    # that object)
+    direct = {id(o): o for o in _additions()[1].values()}
 
     class PlainFastSandbox(ImmutableSandboxedEnvironment):
         """``ImmutableSandboxedEnvironment`` whose ``getattr`` returns early, with the value the stock one
@@ -211,8 +217,9 @@ def _plain_fast_sandbox_class():
         ``alters_data`` attribute), then ``Context.call`` finds no ``jinja_pass_arg`` on it or its
         ``__call__``, drops the ``_loop_vars``/``_block_vars`` keywords and calls it, mapping a
         ``StopIteration`` (an argument's ``__iter__`` or ``__index__`` may raise one) to the same undefined as
-        here (the globals' attributes are asserted in the tests). A keyword that the stock signatures would take as one of their own
-        (``_Context__obj``, ...) gives a ``TypeError`` on both paths, with another message.
+        here (the globals' attributes are asserted in the tests). A keyword that the stock signatures take as
+        one of their own parameters (:data:`STOCK_CALL_PARAMETERS`: the stock call raises ``TypeError``, two
+        values for one argument) sends the call to the stock path.
         """
 
         def getattr(self, obj, attribute):
@@ -241,8 +248,9 @@ def _plain_fast_sandbox_class():
 
         def call(self, context, obj, /, *args, **kwargs):  # positional-only: any keyword goes to obj
             t = type(obj)
-            if ((t is _BUILTIN_METHOD and type(obj.__self__) is str and obj.__name__ != "format"
-                    and obj.__name__ != "format_map") or id(obj) in direct or issubclass(t, SandboxCall)):
+            if (((t is _BUILTIN_METHOD and type(obj.__self__) is str and obj.__name__ != "format"
+                    and obj.__name__ != "format_map") or direct.get(id(obj)) is obj or issubclass(t, SandboxCall))
+                    and (not kwargs or STOCK_CALL_PARAMETERS.isdisjoint(kwargs))):
                 kwargs.pop("_loop_vars", None)
                 kwargs.pop("_block_vars", None)
                 try:
