@@ -7,8 +7,9 @@ no ``{% generation %}`` tag. So, as for tokenizer engines (:mod:`toktier_backend
 template is rendered by minijinja only if, at load, every probe conversation of :data:`PROBES` (system or
 not, tools, tool calls and results, reasoning, unicode and special-token text, add_generation_prompt on and
 off, continue_final_message of the content, of a named field and of content blocks, a request the template
-refuses with ``raise_exception``) gives text identical to the reference, or both refuse it. Otherwise (or when minijinja is not installed) :func:`admit` returns no
-renderer and the reason.
+refuses with ``raise_exception``) gives text identical to the reference, or both refuse it, and no call in
+it passes keywords jinja2 treats otherwise (:func:`_odd_calls`). Otherwise (or when minijinja is not
+installed) :func:`admit` returns no renderer and the reason.
 
 The canary admits a template, not every value: per request, values that minijinja does not carry through
 unchanged (floats, ints past 64 bits, tuples, U+001C-U+001F, lone surrogates, an undefined value reaching
