@@ -15,7 +15,7 @@ import pytest
 from tests.chat.conftest import hf_tokenizer, our_tokenizer
 from tests.chat.corpus import TEMPLATES, TOOL_TEMPLATES, alternating, conversation, template_source, trajectories
 from toktier_backend.chat.session import ChatSession
-from toktier_backend.chat.template import special_tokens
+from toktier_backend.chat.template import ChatRenderer, special_tokens
 from toktier_backend.errors import InvalidRequest
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command <cmd> & 'quote'",
@@ -391,3 +391,19 @@ def test_full_render_hook(folder):
     assert check.chat.full_render(conv, add_generation_prompt=True) == check.reference(
         conv, tokenize=False, add_generation_prompt=True)
     assert check.chat.stats["incremental"] == 0
+
+
+@pytest.mark.parametrize("body", ["{{ loop }}", "{{ ns }}", "{{ ns | string }}"])
+def test_loop_or_namespace_printed_whole(body):
+    """Printing ``loop`` or a namespace reads every attribute at once, which no record holds: such a request
+    renders in full (the recording ``loop`` printed itself as a Python object, and a namespace printed
+    without recording its reads was reused after an edit changed it)."""
+    source = ("{%- set ns = namespace(last=-1) -%}{%- for m in messages -%}" + body
+              + "{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}")
+    chat, ref = ChatSession(source, {}), ChatRenderer(source, {})
+    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    for messages in (conv, conv + [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
+                     [{"role": "assistant", "content": "x"}] + conv[1:] + conv):
+        r = chat.render(messages)
+        assert r.text == ref.render(messages)
+        assert r.route.startswith("full:")

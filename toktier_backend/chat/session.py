@@ -215,6 +215,10 @@ class _RecLoop(_t.SandboxPlain):
     def changed(self, *value):
         raise _Fallback("loop.changed() keeps state across iterations")
 
+    def __repr__(self):
+        # jinja2 prints ``<LoopContext index/length>``: a read of both that no record would hold
+        raise _Fallback("loop printed whole")
+
 
 class _RecMessages:
     """``messages`` inside a loop body: index reads raise the record's ``maxread``; length-dependent reads
@@ -291,8 +295,8 @@ def _recording_namespace_class():
             rec.writes[(name, attr)] = value
 
         def __repr__(self):
-            name, state, _ = object.__getattribute__(self, "_r")
-            return f"<Namespace {name} {({a: v for (nm, a), v in state.items() if nm == name})!r}>"
+            # jinja2 prints every attribute: reads that no record would hold
+            raise _Fallback("a namespace printed whole")
 
     return RecNamespace
 
