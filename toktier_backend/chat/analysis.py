@@ -140,6 +140,9 @@ class LoopSegment:
     free: frozenset[str]
     uses_messages: bool
     outer_names: tuple[str, ...] = ()  # ``free`` less the target, ``loop`` and ``messages``, sorted (O3)
+    node: object = None  # the body's ``jinja2.nodes.Template`` (what :mod:`.bodycode` compiles)
+    # compiled twins of the body by specialization (:meth:`.session.ChatSession._fast_body`); ``None``: refused
+    fast: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -395,7 +398,7 @@ def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
         raise _NotIncremental(f"the loop body at {where} reads {alias!r} (O3: only messages is modelled)")
     return LoopSegment(target=node.target.name, alias=alias, forms=forms, body=Compiled(env.from_string(tmpl_node)),
                        free=free, uses_messages=uses_messages,
-                       outer_names=tuple(sorted(free - {node.target.name, "loop", "messages"})))
+                       outer_names=tuple(sorted(free - {node.target.name, "loop", "messages"})), node=tmpl_node)
 
 
 def _outside_nested_loops(stmts, kinds):

@@ -48,6 +48,7 @@ from typing import Any, Mapping
 
 from toktier_backend.chat import template as _t
 from toktier_backend.chat.analysis import COMPARE, IterForm, LoopSegment, PlainSegment, Plan, analyze, order_observed
+from toktier_backend.chat.bodycode import OPS, Unsupported, compile_body, loop_attr, plain_value
 from toktier_backend.errors import InvalidRequest
 
 
@@ -104,19 +105,6 @@ def same(a: Any, b: Any) -> bool:
     return False
 
 
-def _plain_value(v: Any, depth: int = 0) -> bool:
-    t = type(v)
-    if t in _SCALARS:
-        return True
-    if depth > 64:
-        return False
-    if t is list or t is tuple:
-        return all(_plain_value(x, depth + 1) for x in v)
-    if t is dict:
-        return all(type(k) is str and _plain_value(x, depth + 1) for k, x in v.items())
-    return False
-
-
 # ---------------------------------------------------------------- recording stand-ins
 
 
@@ -134,28 +122,6 @@ class _Rec:
         self.writes: dict = {}
         self.maxread = p
         self.nsens = False
-
-
-def _loop_attr(attr: str, p: int, n: int, form: IterForm):
-    if form.reverse:
-        length, t = n, n - 1 - p
-    else:
-        length, t = n - form.start, p - form.start
-    if attr == "index0":
-        return t
-    if attr == "index":
-        return t + 1
-    if attr == "revindex0":
-        return length - 1 - t
-    if attr == "revindex":
-        return length - t
-    if attr == "first":
-        return t == 0
-    if attr == "last":
-        return t == length - 1
-    if attr == "length":
-        return length
-    raise KeyError(attr)
 
 
 # by ``IterForm.reverse``: (attributes whose value at a fixed position depends on the length, the edge
@@ -177,7 +143,7 @@ class _RecLoop(_t.SandboxPlain):
         self._rec, self._p, self._n, self._form, self._items, self._undefined = rec, p, n, form, items, undefined
 
     def _get(self, attr):
-        v = _loop_attr(attr, self._p, self._n, self._form)
+        v = loop_attr(attr, self._p, self._n, self._form.reverse, self._form.start)
         self._rec.loop_reads[attr] = v
         return v
 
@@ -301,10 +267,6 @@ def _recording_namespace_class():
     return RecNamespace
 
 
-_OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "gteq": operator.ge, "lt": operator.lt,
-        "lteq": operator.le}
-
-
 class _Compare(_t.SandboxCall):
     """The body's comparison recorder (analysis O6): ``x.attr <op> other`` evaluated as jinja would; for a
     recording namespace whose attribute this iteration has not read or written yet, the outcome is recorded
@@ -323,13 +285,13 @@ class _Compare(_t.SandboxCall):
             key = (nsname, attr)
             v = state.get(key, MISSING)
             if v is not MISSING and key not in rec.writes and key not in rec.ns_reads:
-                out = _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+                out = OPS[op](v, other) if side == "left" else OPS[op](other, v)
                 if type(out) is not bool:
                     raise _Fallback("a comparison gave a non-bool")
                 rec.cmps.setdefault(key, []).append((op, side, other, out))
                 return out
         v = self._getattr(obj, attr)
-        return _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+        return OPS[op](v, other) if side == "left" else OPS[op](other, v)
 
 
 def _reader_ok(rec: _Rec, key, v) -> bool:
@@ -340,7 +302,7 @@ def _reader_ok(rec: _Rec, key, v) -> bool:
         if v is MISSING:
             return False
         try:
-            out = _OPS[op](v, other) if side == "left" else _OPS[op](other, v)
+            out = OPS[op](v, other) if side == "left" else OPS[op](other, v)
         except Exception:  # noqa: BLE001 - the recorded comparison would now raise: not the same
             return False
         if type(out) is not bool or out != outcome:
@@ -641,14 +603,18 @@ class ChatSession:
             a message that is the same object as at that position in the previous request is not compared
             (cost of the compare: ``docs/design/chat.md``). Leave off for requests decoded from the wire (new
             objects every time anyway) or when dicts may be edited in place.
+        compiled_bodies: render loop iterations through their compiled Python twins (:mod:`.bodycode`) where
+            the template's bodies compile, else through the jinja2 bodies only (same text and records).
 
     Raises:
         UnsupportedTokenizer: the template does not compile.
     """
 
     def __init__(self, template: str, special_tokens: Mapping[str, str] | None = None, *, fast_full: bool = True,
-                 trust_identity: bool = False, plan: Plan | None = None, full_renderer=None):
+                 trust_identity: bool = False, plan: Plan | None = None, full_renderer=None,
+                 compiled_bodies: bool = True):
         self.reference = _t.ChatRenderer(template, special_tokens)
+        self.compiled_bodies = compiled_bodies
         self.plan = plan if plan is not None else analyze(template)
         self.trust_identity = trust_identity
         self._full = full_renderer
@@ -1047,7 +1013,7 @@ class ChatSession:
         inputs = {name: variables.get(name, MISSING) for name in seg.free if name != "messages"}
         n = len(chat)
         cacheable = (not seg.uses_messages or variables.get("messages") is chat) and all(
-            v is MISSING or id(v) in built or _plain_value(v) for v in inputs.values())
+            v is MISSING or id(v) in built or plain_value(v) for v in inputs.values())
         if (cacheable and type(old) is _PlainMemo and old.maxread < k and (not old.nsens or old.n == n)
                 and old.inputs.keys() == inputs.keys() and all(same(old.inputs[x], v) for x, v in inputs.items())):
             self.stats["plain_reused"] += 1
@@ -1090,7 +1056,7 @@ class ChatSession:
             v = variables[name]
             if isinstance(v, namespace):
                 ns_names.append(name)
-            elif _plain_value(v):
+            elif plain_value(v):
                 outer[name] = v
             else:
                 raise _Fallback(f"the loop body reads {name!r}, a {type(v).__name__} (O3)")
@@ -1118,7 +1084,8 @@ class ChatSession:
         ns_class, undefined = self._ns_class, self._undefined
         compare = self._compare
         msgs_view = seg.uses_messages
-        reused = rendered = 0
+        fast = self._fast_body(seg, form, memo.ns_names, outer)
+        reused = rendered = bailed = 0
         while p != end:
             if p < limit:
                 q = self._first_invalid(old, p, state, n, k, limit, bad_la, form, edge)
@@ -1138,6 +1105,21 @@ class ChatSession:
                     p = q
                     continue
             elem = chat[p]
+            if fast is not None:
+                rec = _Rec(elem, p)
+                try:
+                    rec.out = fast(elem, p, n, chat, state, rec, outer)
+                except Exception:  # noqa: BLE001 - not proven here (bodycode): the jinja2 body, below
+                    bailed += 1
+                else:
+                    if rec.writes:
+                        state.update(rec.writes)
+                    if not nsens_attrs.isdisjoint(rec.loop_reads):
+                        rec.nsens = True
+                    build.add(p, rec)
+                    rendered += 1
+                    p += step
+                    continue
             rec = _Rec(elem, p)
             ctx_vars = dict(outer)
             ctx_vars[target] = elem
@@ -1163,7 +1145,31 @@ class ChatSession:
             self._cum(memo, old, start)
         self.stats["iterations_reused"] += reused
         self.stats["iterations_rendered"] += rendered
+        if bailed:
+            self.stats["iterations_compiled_bailed"] += bailed
         return memo
+
+    def _fast_body(self, seg: LoopSegment, form: IterForm, ns_names: tuple, outer: dict):
+        """The compiled twin of ``seg``'s body (:mod:`.bodycode`) for this form, these namespaces and outer
+        names; ``None`` where it is refused (then every iteration renders through jinja2), or with
+        ``compiled_bodies=False``. Compiled once per specialization and kept on the segment (a plan is
+        shared by every session of its template)."""
+        if not self.compiled_bodies:
+            return None
+        key = (form, ns_names, tuple(outer))
+        try:
+            return seg.fast[key]
+        except KeyError:
+            pass
+        try:
+            fn = compile_body(_t.segment_environment(), seg.node, target=seg.target, reverse=form.reverse,
+                              start=form.start, ns_names=ns_names, outer_names=tuple(outer),
+                              uses_messages=seg.uses_messages, missing=MISSING)
+        except Unsupported as e:
+            fn = None
+            self.stats["body_not_compiled: " + str(e)] += 1
+        seg.fast[key] = fn
+        return fn
 
     @staticmethod
     def _bad_lookahead(old: _Memo, k, limit):
@@ -1186,7 +1192,7 @@ class ChatSession:
             for x in (old.n - 1, n - 1):
                 if lo <= x < hi:
                     r = old.recs[x]
-                    if edge in r.loop_reads and not same(r.loop_reads[edge], _loop_attr(edge, x, n, form)):
+                    if edge in r.loop_reads and not same(r.loop_reads[edge], loop_attr(edge, x, n, form.reverse, form.start)):
                         cands.append(x)
         for x in bad_la:
             if lo <= x < hi:

@@ -1,0 +1,301 @@
+"""Compiled loop bodies (toktier_backend/chat/bodycode.py) against the jinja2 bodies and the full render.
+
+Two sessions render the same requests: one through the compiled bodies, one through the jinja2 bodies only
+(``compiled_bodies=False``). After every request the texts must equal the reference full render
+(:class:`ChatRenderer`, the stock sandbox) and every kept record (output, ``loop`` reads, namespace reads,
+comparison outcomes, writes, highest message read, length dependence) must be the same in both sessions.
+Inputs: the six shared templates on real trajectories with random edits and on the fuzz's odd values, and
+small templates written to reach each construct the compiler models (C1-C8 of the module), including ones
+where the compiled code must give up mid-iteration (a bail after a namespace write) and ones it must refuse.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.chat.corpus import TEMPLATES, TOOL_TEMPLATES, conversation, template_source, trajectories
+from tests.chat.test_fuzz import Gen
+from tests.chat.test_session import TOOLS, _edit
+from toktier_backend.chat import bodycode
+from toktier_backend.chat.session import ChatSession
+from toktier_backend.chat.template import ChatRenderer, segment_environment, special_tokens
+from toktier_backend.errors import InvalidRequest
+
+
+def _records(chat: ChatSession) -> list:
+    out = []
+    for memo in chat._memos or ():
+        if hasattr(memo, "recs"):
+            out.append([None if r is None else (r.out, r.loop_reads, r.ns_reads, r.cmps, r.writes, r.maxread, r.nsens)
+                        for r in memo.recs[:memo.n]])
+    return out
+
+
+class Twin:
+    """The compiled session, the jinja2-bodies session and the reference renderer, stepped together."""
+
+    def __init__(self, source: str, specials: dict):
+        self.fast = ChatSession(source, specials, fast_full=False)
+        self.slow = ChatSession(source, specials, fast_full=False, compiled_bodies=False)
+        self.ref = ChatRenderer(source, specials)
+        self.rendered = 0
+
+    def step(self, messages, *, incremental: bool = True, **options) -> str:
+        try:
+            want = self.ref.render(messages, **options)
+        except InvalidRequest:
+            for chat in (self.fast, self.slow):
+                with pytest.raises(InvalidRequest):
+                    chat.render(messages, **options)
+            return "refused"
+        got = self.fast.render(messages, **options)
+        assert got.text == want, (messages, options)
+        assert self.slow.render(messages, **options).text == want
+        assert (got.route == "incremental") == incremental, got.route
+        assert _records(self.fast) == _records(self.slow)
+        self.rendered += 1
+        return want
+
+    def compiled(self) -> int:
+        """Iterations the compiled bodies rendered (rendered less those that went to jinja2)."""
+        s = self.fast.stats
+        assert not any(k.startswith("body_not_compiled") for k in s), dict(s)
+        return s["iterations_rendered"] - s["iterations_compiled_bailed"]
+
+
+def _files():
+    files = trajectories()
+    return [f for f in files if "function_calling" in f.name][0], files[-1]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_shared_templates_on_trajectories_with_edits(name):
+    """Real turns and random edits of history (truncations, rewrites, deletions, insertions, the system
+    message toggled), tools and flags switched."""
+    src, cfg = template_source(name)
+    twin = Twin(src, special_tokens(cfg))
+    rng = random.Random(4242 + TEMPLATES.index(name))
+    for path in _files():
+        conv = conversation(name, path)[:24]
+        for i in range(2, len(conv) + 1, 2):
+            options = {"add_generation_prompt": conv[i - 1]["role"] != "assistant"}
+            if name in TOOL_TEMPLATES:
+                options["tools"] = TOOLS
+            twin.step(conv[:i], **options)
+        for _ in range(25):
+            conv = _edit(rng, conv, name)
+            options = {"add_generation_prompt": rng.random() < 0.7}
+            if name == "qwen3" and rng.random() < 0.3:
+                options["enable_thinking"] = rng.random() < 0.5
+            twin.step(conv, **options)
+    assert twin.compiled() > 100
+    assert twin.fast.stats["iterations_compiled_bailed"] < twin.compiled() // 4
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_shared_templates_on_odd_values(name):
+    """The fuzz's values: signed zeros, 1/1.0/True, big ints, None, content blocks, special-token text."""
+    src, cfg = template_source(name)
+    twin = Twin(src, special_tokens(cfg))
+    gen = Gen(99 + TEMPLATES.index(name), alternate=name == "gemma3")
+    conv = gen.edit([])
+    for _ in range(60):
+        options = {"add_generation_prompt": gen.r.random() < 0.7}
+        if gen.r.random() < 0.5:
+            options["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"a": -0.0}}}]
+        twin.step(conv, **options)
+        conv = gen.edit(conv)
+    assert twin.compiled() > 20
+
+
+# small templates, each reaching constructs the compiler models (module docstring, C1-C8)
+SCOPING = """
+{%- set greeting = 'hi' -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{%- set who = 'U' -%}{%- elif message.role == 'assistant' -%}{%- set who = 'A' -%}
+{%- endif -%}
+{{- (who if who is defined else '?') ~ ':' ~ greeting ~ ':' ~ (extra if extra is defined else 'none') ~ ':' -}}
+{%- set late = 'L' -%}{{ late }}
+{%- if message.content is string and message.content -%}{{ message.content | trim | upper }}{%- endif -%}
+{%- for part in message.parts -%}
+{{- loop.index ~ '/' ~ loop.length ~ ('L' if loop.last else '') ~ ('F' if loop.first else '') ~ loop.revindex0 -}}
+{{- part -}}{%- set message = 'shadow' -%}{{- message -}}{%- if part == 'stop' -%}{% break %}{%- endif -%}
+{%- endfor -%}
+{{- message.role -}}
+{{- '|' ~ loop.index0 ~ loop.revindex ~ loop.first ~ loop.last ~ loop.length ~ '\\n' -}}
+{%- endfor -%}
+"""
+NAMESPACE = """
+{%- set ns = namespace(count=0, last_user=-1, seen=false, text='') -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- set ns.count = ns.count + 1 -%}
+{%- if loop.index0 > ns.last_user -%}after{%- else -%}before{%- endif -%}
+{%- if ns.last_user == loop.index0 -%}=here{%- endif -%}
+{{- ns.count -}}{%- if not ns.seen and message.role == 'assistant' -%}{%- set ns.seen = true -%}FIRST{%- endif -%}
+{%- set ns.text = ns.text + message.role[0] -%}{{ ns.text }}{{ ns.never is defined }}
+{%- endfor -%}
+{{- ns.count ~ ns.text -}}
+"""
+LOOKAHEAD = """
+{%- for m in messages -%}
+{%- if loop.last or messages[loop.index0 + 1].role != m.role -%}<{{ m.role }}>{%- endif -%}
+{%- if not loop.first and messages[loop.index0 - 1].role == 'tool' -%}after-tool{%- endif -%}
+{{- messages|length -}}{{- m['content'][:3] ~ m['content'][-1:] ~ m.content[::2] -}}
+{%- endfor -%}
+{%- for m in messages|reverse -%}{{ loop.revindex0 }}{{ m.role[0] }}{{ loop.index }}{%- endfor -%}
+{%- for m in messages[::-1] -%}{%- if m.role == 'user' -%}{{ (messages|length - 1) - loop.index0 }}{%- endif -%}
+{%- endfor -%}
+"""
+ALIAS = """
+{%- if messages[0].role == 'system' -%}{%- set rest = messages[1:] -%}{%- else -%}{%- set rest = messages -%}{%- endif -%}
+{%- for m in rest -%}{{ loop.index }}:{{ m.content[:3] }}/{{ loop.revindex0 }}{{ 'F' if loop.first }}{%- endfor -%}
+"""
+VALUES = """
+{%- for m in messages -%}
+{%- if m.role == 'bad' -%}{{ raise_exception('bad role ' ~ m.role) }}{%- endif -%}
+{{- m.tool_calls | tojson if m.tool_calls is defined else '' -}}
+{{- (m.content | tojson(indent=2)) if m.content is not string else m.content.split('\\n')[0].strip().replace('a', 'b') -}}
+{{- m.content is iterable -}}{{- m.content is mapping -}}{{- m.content | length -}}{{- m.content is string -}}
+{{- (loop.index0 % 3) * 2 - 1 + (10 // 3) + 2 ** 3 -}}{{- 7 / 2 -}}{{- -loop.index -}}{{ 1.5 }}
+{{- m.content.startswith('x') and m.content.endswith('y') or m.content.count('a') > 1 -}}
+{{- m.get_me is none -}}{{- m.score if m.score is defined and m.score is not none else 'no score' -}}
+{{- 'yes' if 'a' in m.content else 'no' -}}{{- m.role ~ 1 ~ none ~ true -}}
+{{- m.role in ['user', 'tool'] -}}{{- m.role not in ('x', none, 1) -}}
+{%- endfor -%}
+"""
+BAIL_AFTER_WRITE = """
+{%- set ns = namespace(x=0) -%}
+{%- for m in messages -%}{%- set ns.x = ns.x + 1 -%}{{ m.missing }}{{ ns.x }}{{ m.content }}{%- endfor -%}{{ ns.x }}
+"""
+SYNTHETIC = {"scoping": SCOPING, "namespace": NAMESPACE, "lookahead": LOOKAHEAD, "alias": ALIAS, "values": VALUES,
+             "bail_after_write": BAIL_AFTER_WRITE}
+
+
+def _messages(rng: random.Random, n: int, parts: bool) -> list[dict]:
+    out = []
+    if rng.random() < 0.5:
+        out.append({"role": "system", "content": "be brief a"})
+    for i in range(n):
+        role = rng.choice(["user", "assistant", "tool", "user", "assistant"])
+        m = {"role": role, "content": rng.choice(["hello there", "  padded\n", "a\nb", "xay", "", "é😀 ab"])}
+        if parts:
+            m["parts"] = rng.choice([["p"], ["p", "q", "stop", "r"], [], ["x", "y"]])
+        if role == "assistant" and rng.random() < 0.4:
+            m["tool_calls"] = [{"type": "function", "function": {"name": "f", "arguments": rng.choice(['{"a":1}', {"b": 2}])}}]
+        if rng.random() < 0.2:
+            m["score"] = rng.choice([1, 2.5, None, -0.0])
+        if rng.random() < 0.05:
+            m["content"] = rng.choice([[{"type": "text", "text": "blk"}], {"k": "v"}, 5])
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SYNTHETIC))
+def test_constructs(name):
+    """Each synthetic template over growing, edited and truncated conversations, with and without an outer
+    variable (``extra``) and the generation prompt."""
+    twin = Twin(SYNTHETIC[name], {"bos_token": "<s>"})
+    rng = random.Random(sum(map(ord, name)))
+    for trial in range(6):
+        conv = _messages(rng, 3, parts=name == "scoping")
+        twin.fast.reset()
+        twin.slow.reset()
+        for _ in range(8):
+            options = {"add_generation_prompt": rng.random() < 0.5}
+            if rng.random() < 0.5:
+                options["extra"] = rng.choice(["E", 0, -0.0])
+            twin.step(conv, **options)
+            r = rng.random()
+            if r < 0.6:
+                conv = conv + _messages(rng, rng.randint(1, 2), parts=name == "scoping")[-2:]
+            elif r < 0.8 and len(conv) > 2:
+                conv = conv[:rng.randrange(1, len(conv))]
+            else:
+                i = rng.randrange(len(conv))
+                conv = conv[:i] + [dict(conv[i], content=rng.choice(["edited a", "y"]))] + conv[i + 1:]
+    assert twin.rendered >= 40
+    if name == "bail_after_write":  # every iteration prints an undefined attribute after its write: jinja2's
+        assert twin.fast.stats["iterations_compiled_bailed"] == twin.fast.stats["iterations_rendered"] > 20
+    else:
+        assert twin.compiled() > 30
+
+
+REFUSED = {
+    "tuple literal": "{%- for m in messages -%}{{ '%s/%s' % (m.role, m.content) }}{%- endfor -%}",
+    "dict method": "{%- for m in messages -%}{% for k, v in m.items() %}{{ k }}{% endfor %}{%- endfor -%}",
+    "loop.cycle": "{%- for m in messages -%}{{ loop.cycle('a', 'b') }}{%- endfor -%}",
+    "bare loop": "{%- for m in messages -%}{{ loop }}{%- endfor -%}",
+    "namespace printed": "{%- set ns = namespace(a=1) -%}{%- for m in messages -%}{{ ns }}{%- endfor -%}",
+    "filter outside the list": "{%- for m in messages -%}{{ m.content | replace('a', 'b') }}{%- endfor -%}",
+    "global other than raise_exception": "{%- for m in messages -%}{{ range(2) | list }}{%- endfor -%}",
+    "messages printed": "{%- for m in messages -%}{{ messages[1:] | length }}{%- endfor -%}",
+}
+
+
+@pytest.mark.parametrize("why", sorted(REFUSED))
+def test_refused_constructs_render_through_jinja2(why):
+    """A body outside the modelled subset is not compiled (counted with the reason); its text is exact."""
+    twin = Twin(REFUSED[why], {})
+    conv = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
+    whole = why in ("bare loop", "namespace printed")  # printed whole: the jinja2 body refuses too (full render)
+    twin.step(conv, incremental=not whole)
+    twin.step(conv + [{"role": "user", "content": "ef"}], incremental=not whole)
+    assert any(k.startswith("body_not_compiled") for k in twin.fast.stats), (why, dict(twin.fast.stats))
+    assert twin.fast.stats["iterations_compiled_bailed"] == 0
+
+
+def test_str_methods_are_methods_bound_to_the_string():
+    """C6: every name in STR_METHODS is, on an exact str, a builtin method bound to that string, and the
+    segments' sandbox returns it as is (so its call is the direct call ``PlainFastSandbox.call`` makes)."""
+    env = segment_environment()
+    s = "a b"
+    for name in bodycode.STR_METHODS:
+        m = env.getattr(s, name)
+        assert type(m) is type("".strip) and m.__self__ is s and m.__name__ == name, name
+    assert not bodycode.STR_METHODS & {"format", "format_map", "maketrans"}
+
+
+def test_filters_and_tests_take_no_context():
+    """C6: the environment's filters and tests the compiled code calls take no context or environment."""
+    from jinja2.utils import _PassArg
+
+    env = segment_environment()
+    for name in bodycode.FILTERS:
+        assert _PassArg.from_obj(env.filters[name]) is None, name
+    for name in bodycode.TESTS:
+        assert _PassArg.from_obj(env.tests[name]) is None, name
+
+
+def test_undefined_is_false_and_nothing_else():
+    """C3: UNDEFINED is false; printing, comparing, hashing, adding or iterating it raises."""
+    U = bodycode.UNDEFINED
+    assert not U and (U or 3) == 3 and U is not None
+    for op in (str, repr, hash, len, iter, lambda u: u == "x", lambda u: "x" == u, lambda u: u != 1,
+               lambda u: u + "a", lambda u: "a" + u, lambda u: 1 + u, lambda u: u < 1, lambda u: "a" in u,
+               lambda u: u in {"a": 1}, lambda u: u in ["a"], lambda u: u[0], lambda u: "%s" % u):
+        with pytest.raises(Exception):
+            op(U)
+
+
+def test_loop_attributes_equal_jinja2s():
+    """``loop_attr`` against jinja2's own ``loop`` for forward, offset and reversed loops."""
+    import jinja2
+
+    env = jinja2.Environment()
+    tmpl = env.from_string("{% for x in xs %}{{ [loop.index0, loop.index, loop.revindex0, loop.revindex, "
+                           "loop.first, loop.last, loop.length] }};{% endfor %}")
+    for n in range(1, 6):
+        for start in range(n):
+            want = tmpl.render(xs=list(range(n))[start:]).split(";")[:-1]
+            got = [str([bodycode.loop_attr(a, p, n, False, start) for a in
+                        ("index0", "index", "revindex0", "revindex", "first", "last", "length")])
+                   for p in range(start, n)]
+            assert got == want
+        want = tmpl.render(xs=list(range(n))[::-1]).split(";")[:-1]
+        got = [str([bodycode.loop_attr(a, p, n, True, 0) for a in
+                    ("index0", "index", "revindex0", "revindex", "first", "last", "length")])
+               for p in range(n - 1, -1, -1)]
+        assert got == want
