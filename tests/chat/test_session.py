@@ -407,3 +407,17 @@ def test_loop_or_namespace_printed_whole(body):
         r = chat.render(messages)
         assert r.text == ref.render(messages)
         assert r.route.startswith("full:")
+
+
+def test_a_root_name_starting_with_underscore_reaches_later_statements():
+    """A root ``set _name`` is a variable of every later root statement in the full render; jinja2's
+    ``get_exported()`` leaves such names out, so segments must pass on the context's variables (O1)."""
+    source = "{%- set _p = 'x' -%}{%- for m in messages -%}{{ m.role }}{{ _p }}{%- endfor -%}{{ _p is defined }}{{ _p }}"
+    for compiled in (True, False):
+        chat, ref = ChatSession(source, {}, compiled_bodies=compiled), ChatRenderer(source, {})
+        conv = [{"role": "user", "content": "a"}]
+        for messages in (conv, conv + [{"role": "assistant", "content": "b"}]):
+            r = chat.render(messages)
+            assert r.text == ref.render(messages)
+            assert r.text.endswith("xTruex")
+

@@ -996,7 +996,9 @@ class ChatSession:
                     continue
                 ctx = seg.template.new_context(variables)
                 out = "".join(seg.template.root_render_func(ctx))
-                variables.update(ctx.get_exported())
+                # every root assignment, as the full render's later statements see them (O1):
+                # ``context.vars``, not ``get_exported()``, which leaves out names starting with "_"
+                variables.update(ctx.vars)
                 pieces.append(out)
                 memos.append(out)
             else:
