@@ -421,3 +421,30 @@ def test_a_root_name_starting_with_underscore_reaches_later_statements():
             assert r.text == ref.render(messages)
             assert r.text.endswith("xTruex")
 
+
+def test_plain_kept_reuses_only_a_copy_the_value_would_equal():
+    """An option (tools, kwargs) keeps the previous request's plain copy only when ``plain(value)`` would
+    equal it strictly: not across int/float/bool, signs of zero, key order, list/tuple, str subclasses,
+    bytes-likes of equal bytes, or a numpy scalar and the bytes it holds."""
+    import marshal
+
+    import numpy as np
+
+    from toktier_backend.chat.template import plain
+
+    class S(str):
+        pass
+
+    chat = ChatSession("{% for m in messages %}{{ m.content }}{% endfor %}", {})
+    values = [[{"a": 1, "b": [0.0]}], [{"a": 1, "b": [0.0]}], [{"a": 1.0, "b": [0.0]}], [{"a": True, "b": [0.0]}],
+              [{"a": 1, "b": [-0.0]}], [{"b": [0.0], "a": 1}], [{"a": 1, "b": (0.0,)}], [{"a": S("1")}],
+              [{"a": "1"}], [{"a": b"\x00" * 8}], [{"a": bytearray(8)}], [{"a": np.float64(0.0)}],
+              [{"a": b"\x00" * 8}], [{"a": 10**30}], [{"a": 10**30}], None, None, {"x": float("nan")}]
+    previous = None
+    for i, v in enumerate(values):
+        got = chat._plain_kept("tools", v)
+        want = plain(v)
+        assert type(got) is type(want) and marshal.dumps(got, 0) == marshal.dumps(want, 0), (i, v)
+        # kept: a value equal to the previous one, or to the previous copy (the str subclass's); else new
+        assert (got is previous) == (i in (1, 8, 14, 16)), (i, v)
+        previous = got

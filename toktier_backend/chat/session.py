@@ -967,16 +967,23 @@ class ChatSession:
             snaps, chat, memos, pieces, text, length)
 
     def _plain_kept(self, key: str, value):
-        """``plain(value)``: the copy made for the previous request when the new copy has the same
-        :func:`_signature`, so that an unchanged option is the same object as last time and the segments'
-        comparisons of it stop at identity. A copy holds exact JSON types and tuples only, for which equal
-        signatures mean equal scalars (type, sign of zero), key order and nesting."""
-        copy = _t.plain(value)
-        sig = _signature(copy)
+        """``plain(value)``: the copy made for the previous request when ``value`` has that copy's
+        :func:`_signature`, so that an unchanged option is the same object as last time (the segments'
+        comparisons of it stop at identity) and is not copied again.
+
+        Sound because a copy holds exact JSON types and tuples only: ``marshal`` writes each of those types
+        with a type code of its own (exact ``str``, ``int``, ``float``, ``bool``, ``None``, ``list``,
+        ``tuple``, ``dict``; floats by ``repr`` in version 0, so the sign of zero too), raises for their
+        subclasses, and writes every other object it accepts with codes a copy never holds (bytes-like
+        objects as bytes, sets, complex, code). The format is self-delimiting, so bytes equal to the copy's
+        signature decode to the copy's structure: ``value`` is made of the same exact types, scalars, key
+        orders and nesting, and ``plain(value)`` would equal the copy strictly."""
+        sig = _signature(value)
         prev = self._plain_options.get(key)
         if prev is not None and prev[1] == sig:  # (_NEVER equals nothing)
             return prev[0]
-        self._plain_options[key] = (copy, sig)
+        copy = _t.plain(value)
+        self._plain_options[key] = (copy, _signature(copy))
         return copy
 
     # ------------------------------------------------------------ segments
@@ -1280,6 +1287,14 @@ class ChatSession:
                         continue
                     skip = max(0, old.n - new.form.start)
                     base += old.length()
+                    rest = old_pieces[i + 1:]
+                    if all(type(x) is str for x in rest):
+                        # the old text after the shared records is these strings (the old piece has no record
+                        # past old.n): join both rests whole, the new one is the delta's source anyway
+                        old_rest = "".join(rest)
+                        new_rest = "".join(_stream(pieces, i, skip))
+                        d = common_prefix_length(old_rest, new_rest)
+                        return base + d, new_rest[d:], total
                     break
                 if _tail_text(new, j) == _tail_text(old, j):
                     base += new.length()

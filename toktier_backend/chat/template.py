@@ -355,10 +355,10 @@ def plain(value: Any) -> Any:
     t = type(value)
     if value is None or t is str or t is int or t is float or t is bool:
         return value
-    if t is dict:  # exact types first: isinstance against the Mapping ABC is the slow test
-        return {plain(k): plain(v) for k, v in value.items()}
+    if t is dict:  # exact types first (an exact str is its own copy): isinstance against Mapping is slow
+        return {k if type(k) is str else plain(k): v if type(v) is str else plain(v) for k, v in value.items()}
     if t is list:
-        return [plain(v) for v in value]
+        return [v if type(v) is str else plain(v) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
