@@ -154,6 +154,9 @@ class PlainSegment:
     reusable: bool = False
     free: frozenset[str] = frozenset()
     uses_messages: bool = False
+    node: object = None  # the statements' ``jinja2.nodes.Template`` (what :mod:`.bodycode` compiles)
+    # compiled twins by the free names the variables hold (:meth:`.session.ChatSession._fast_plain`)
+    fast: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -247,13 +250,11 @@ def _plain_segments(env, stmts, aliases) -> list:
         j = i + 1
         while j < len(stmts) and _reusable(env, stmts[j], aliases) == ok:
             j += 1
-        compiled = _template(env, stmts[i:j])
-        if ok:
-            free = frozenset(jinja2.meta.find_undeclared_variables(
-                nodes.Template(stmts[i:j], lineno=1).set_environment(env)))
-            out.append(PlainSegment(compiled, True, free, "messages" in free))
-        else:
-            out.append(PlainSegment(compiled))
+        node = nodes.Template(stmts[i:j], lineno=1).set_environment(env)
+        compiled = Compiled(env.from_string(node))
+        free = frozenset(jinja2.meta.find_undeclared_variables(
+            nodes.Template(stmts[i:j], lineno=1).set_environment(env)))
+        out.append(PlainSegment(compiled, ok, free, ok and "messages" in free, node=node))
         i = j
     return out
 
@@ -275,12 +276,6 @@ def _reusable(env, node, aliases) -> bool:
     except _NotIncremental:
         return False
     return True
-
-
-def _template(env, body):
-    from jinja2 import nodes
-
-    return Compiled(env.from_string(nodes.Template(body, lineno=1).set_environment(env)))
 
 
 def _message_form(expr) -> IterForm | None:

@@ -298,6 +298,36 @@ def _cmpv(obj, attr, opname, left, other):
     return OPS[opname](v, other) if left else OPS[opname](other, v)
 
 
+def _make_plain_helpers(ns_class):
+    def _pv(v, built):
+        """A value of the variables, as a plain segment reads it (C9): the request's own variables (plain by
+        construction), plain JSON values and namespaces; anything else raises."""
+        t = type(v)
+        if t in _PLAIN_SCALARS or t is ns_class or id(v) in built or plain_value(v):
+            return v
+        raise Bail("a variable that is not plain JSON")
+
+    def _gap(obj, name):
+        """``obj.name`` in a plain segment (C9): a ``dict`` as in a body (C4), or a namespace's attribute."""
+        t = type(obj)
+        if t is dict:
+            return obj.get(name, UNDEFINED)
+        if t is ns_class:
+            v = object.__getattribute__(obj, "_Namespace__attrs").get(name, UNDEFINED)
+            if v is UNDEFINED or type(v) in _PLAIN_SCALARS or type(v) is ns_class or plain_value(v):
+                return v
+        raise Bail("attribute of a non-dict")
+
+    return _pv, _gap
+
+
+def _ex(value):
+    """A value a plain segment exports (C9)."""
+    if value is UNDEFINED:
+        raise Bail("an undefined value exported")
+    return value
+
+
 def _nsw(writes, key, value):
     """``set ns.attr = value`` (C5)."""
     if value is UNDEFINED:
@@ -368,8 +398,36 @@ def compile_body(env, node, *, target: str, reverse: bool, start: int, ns_names:
     return fn
 
 
+def compile_plain(env, node, *, present: frozenset[str]) -> Callable:
+    """The compiled twin of a plain segment ``node`` (a ``jinja2.nodes.Template`` of root statements) for
+    the variables whose names are ``present``: ``fn(variables, built) -> (output, exported)``, where
+    ``built`` holds the ids of the request's own variables (plain by construction) and ``exported`` is the
+    jinja2 render's ``context.vars`` (every root assignment, names starting with ``_`` included: C9).
+
+    Raises:
+        Unsupported: the segment, or the environment, is outside what :mod:`.bodycode` models.
+    """
+    why = environment_supported(env)
+    if why is not None:
+        raise Unsupported(why)
+    ns_class = env.globals.get("namespace")
+    gen = _Gen(env, target=None, reverse=False, start=0, ns_names=frozenset(), outer_names=frozenset(present),
+               uses_messages=False, plain=True)
+    source = gen.source(node)
+    pv, gap = _make_plain_helpers(ns_class)
+    scope = {"U": UNDEFINED, "Bail": Bail, "_ga": _ga, "_gi": _gi, "_sm": _sm, "_call": _call, "_call1": _call1,
+             "_seq": _seq, "_concat": _concat, "_bail": _bail, "_pv": pv, "_gap": gap, "_ex": _ex,
+             **gen.consts}
+    exec(compile(source, "<chat plain segment>", "exec"), scope)  # noqa: S102 - our own generated source
+    fn = scope["body"]
+    fn.source = source
+    return fn
+
+
 class _Gen:
-    def __init__(self, env, *, target, reverse, start, ns_names, outer_names, uses_messages):
+    def __init__(self, env, *, target, reverse, start, ns_names, outer_names, uses_messages, plain=False):
+        self.plain = plain
+        self.loop_depth = 0
         self.env = env
         self.target = target
         self.reverse = reverse
@@ -414,6 +472,9 @@ class _Gen:
         self.block(node.body, sym)
         body = self.lines
         self.lines = []
+        if self.plain:
+            return "\n".join(["def body(variables, built):", "    _o = []", "    _a = _o.append", "    _x = {}"]
+                             + body + ["    return ''.join(_o), _x", ""])
         head = ["def body(elem, p, n, chat, state, rec, outer):",
                 "    _o = []", "    _a = _o.append"]
         if self.loop_attrs:
@@ -429,7 +490,11 @@ class _Gen:
     # -------------------------------------------------------------- frames (C1, C2)
 
     def classify(self, name: str) -> str:
-        """What the jinja2 path's body context holds for ``name`` (C1)."""
+        """What the jinja2 path's body context holds for ``name`` (C1; a plain segment: C9)."""
+        if self.plain:
+            if name in self.outer_names:
+                return _VALUE
+            return _GLOBAL if name in self.env.globals else "undefined"
         if name == COMPARE:
             return _COMPARE
         if name in self.ns_names:
@@ -453,7 +518,10 @@ class _Gen:
             if action == VAR_LOAD_RESOLVE:
                 kind = self.classify(param)
                 if kind == _VALUE:
-                    self.line(f"{ref} = elem" if param == self.target else f"{ref} = outer[{param!r}]")
+                    if self.plain:
+                        self.line(f"{ref} = _pv(variables[{param!r}], built)")
+                    else:
+                        self.line(f"{ref} = elem" if param == self.target else f"{ref} = outer[{param!r}]")
                 elif kind == "undefined":
                     self.line(f"{ref} = U")
                 else:
@@ -535,6 +603,12 @@ class _Gen:
                 if ref in self.special or ref in self.inner:
                     raise Unsupported(f"the body assigns {tgt.name!r}")
                 self.line(f"{ref} = {value}")
+                if self.plain and not self.loop_depth:
+                    # a root-frame assignment (the root or a root-level if): ``context.vars``; an undefined
+                    # value raises (UNDEFINED must not reach the variables)
+                    self.line(f"_x[{tgt.name!r}] = _ex({ref})")
+            elif isinstance(tgt, nodes.NSRef) and self.plain:
+                raise Unsupported("a namespace write in a plain segment")
             elif isinstance(tgt, nodes.NSRef):
                 sp = self.special.get(self.ref(tgt.name, sym))
                 if sp is None or sp[0] != _NS or tgt.attr.startswith("_"):
@@ -583,8 +657,10 @@ class _Gen:
         else:
             self.line(f"for {target} in {it}:")
         self.depth += 1
+        self.loop_depth += 1
         self.enter_frame(lsym)
         self.block(node.body, lsym)
+        self.loop_depth -= 1
         self.depth -= 1
 
     # -------------------------------------------------------------- expressions (C3-C6)
@@ -670,6 +746,8 @@ class _Gen:
             return _INNER_SOURCE[node.attr].format(i=i, n=length)
         if node.attr in DICT_ATTRIBUTES:
             raise Unsupported(f"attribute {node.attr!r} (a dict attribute name)")
+        if self.plain and node.attr[:1] != "_":
+            return f"_gap({self.expr(node.node, sym)}, {node.attr!r})"
         return f"_ga({self.expr(node.node, sym)}, {node.attr!r})"
 
     def getitem(self, node, sym) -> str:
@@ -743,6 +821,12 @@ class _Gen:
             kind, name = sp
             if kind == _COMPARE:
                 return self.compare_call(node, sym)
+            if kind == _GLOBAL and name == "namespace" and self.plain:
+                ns_class = self.env.globals["namespace"]
+                if not (isinstance(ns_class, type) and ns_class.__name__ == "SafeNamespace"):
+                    raise Unsupported("namespace is not the sandbox's")
+                args, kwargs = self.arguments(node, sym)
+                return f"_call({self.const(ns_class)}, ({''.join(a + ', ' for a in args)}), {{{', '.join(kwargs)}}})"
             if kind == _GLOBAL and name == "raise_exception":
                 args, kwargs = self.arguments(node, sym)
                 return f"_bail({''.join(a + ', ' for a in args)}{''.join('**{' + k + '}, ' for k in kwargs)})"

@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 from toktier_backend.chat import template as _t
 from toktier_backend.chat.analysis import COMPARE, IterForm, LoopSegment, PlainSegment, Plan, analyze, order_observed
-from toktier_backend.chat.bodycode import OPS, Unsupported, compile_body, loop_attr, plain_value
+from toktier_backend.chat.bodycode import OPS, Unsupported, compile_body, compile_plain, loop_attr, plain_value
 from toktier_backend.errors import InvalidRequest
 
 
@@ -1001,11 +1001,20 @@ class ChatSession:
                     pieces.append(memo.out)
                     memos.append(memo)
                     continue
-                ctx = seg.template.new_context(variables)
-                out = "".join(seg.template.root_render_func(ctx))
-                # every root assignment, as the full render's later statements see them (O1):
-                # ``context.vars``, not ``get_exported()``, which leaves out names starting with "_"
-                variables.update(ctx.vars)
+                fast = self._fast_plain(seg, variables)
+                exported = None
+                if fast is not None:
+                    try:
+                        out, exported = fast(variables, built)
+                    except Exception:  # noqa: BLE001 - not proven here (bodycode): the jinja2 render, below
+                        self.stats["plain_compiled_bailed"] += 1
+                if exported is None:
+                    ctx = seg.template.new_context(variables)
+                    out = "".join(seg.template.root_render_func(ctx))
+                    # every root assignment, as the full render's later statements see them (O1):
+                    # ``context.vars``, not ``get_exported()``, which leaves out names starting with "_"
+                    exported = ctx.vars
+                variables.update(exported)
                 pieces.append(out)
                 memos.append(out)
             else:
@@ -1029,10 +1038,19 @@ class ChatSession:
             return old
         rec = _Rec(None, -1)
         ctx_vars = variables
+        out = None
         if seg.uses_messages and cacheable:
             ctx_vars = dict(variables)
             ctx_vars["messages"] = _RecMessages(chat, rec)
-        out = "".join(seg.template.root_render_func(seg.template.new_context(ctx_vars)))
+        else:  # no reads of messages to record: the compiled twin renders it where it compiles
+            fast = self._fast_plain(seg, variables)
+            if fast is not None:
+                try:
+                    out = fast(variables, built)[0]
+                except Exception:  # noqa: BLE001 - not proven here (bodycode): the jinja2 render, below
+                    self.stats["plain_compiled_bailed"] += 1
+        if out is None:
+            out = "".join(seg.template.root_render_func(seg.template.new_context(ctx_vars)))
         if not cacheable:  # a read the memo cannot describe: never reused (maxread above every k)
             rec.maxread = n
         return _PlainMemo(out, inputs, rec.maxread, rec.nsens, n)
@@ -1157,6 +1175,26 @@ class ChatSession:
         if bailed:
             self.stats["iterations_compiled_bailed"] += bailed
         return memo
+
+    def _fast_plain(self, seg: PlainSegment, variables: dict):
+        """The compiled twin of a plain segment (:func:`.bodycode.compile_plain`) for the free names the
+        variables hold; ``None`` where it is refused, or with ``compiled_bodies=False``. Kept on the segment,
+        as :meth:`_fast_body`."""
+        if not self.compiled_bodies:
+            return None
+        key = tuple(name in variables for name in seg.free)
+        try:
+            return seg.fast[key]
+        except KeyError:
+            pass
+        try:
+            fn = compile_plain(_t.segment_environment(), seg.node,
+                               present=frozenset(name for name in seg.free if name in variables))
+        except Unsupported as e:
+            fn = None
+            self.stats["plain_not_compiled: " + str(e)] += 1
+        seg.fast[key] = fn
+        return fn
 
     def _fast_body(self, seg: LoopSegment, form: IterForm, ns_names: tuple, outer: dict):
         """The compiled twin of ``seg``'s body (:mod:`.bodycode`) for this form, these namespaces and outer
