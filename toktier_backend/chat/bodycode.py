@@ -1,5 +1,5 @@
-"""Loop bodies compiled to Python: the recording twin of a jinja2 loop body, for the iterations a
-:class:`.session.ChatSession` renders.
+"""Loop bodies (and plain segments) compiled to Python: the recording twin of a jinja2 loop body, for the
+iterations a :class:`.session.ChatSession` renders.
 
 A jinja2 body render pays for a ``Context``, the recording stand-ins (``loop``, namespaces, ``messages``), a
 sandbox call per attribute read and a generator; on the qwen3 template that is 9-31 us per iteration where
@@ -77,6 +77,16 @@ C7 Statements. ``{{ }}`` appends ``str(value)`` per child (jinja2's default fina
 C8 No effects outside the record. The compiled code reads ``state``, ``chat`` and ``outer`` and never writes
    them; filters, tests and ``str`` methods are pure functions of their arguments. So a raise anywhere leaves
    the session as it was before the iteration.
+C9 Plain segments (:func:`compile_plain`: ``fn(variables, built) -> (output, assignments)``). The context of
+   a plain segment is the environment's globals under the request's variables (``Compiled.new_context``):
+   a name the variables hold reads its value (the request's own variables, by id, plain JSON values and
+   namespaces; anything else raises), a global is used only as ``namespace(...)`` (the sandbox's
+   ``SafeNamespace``, which ``PlainFastSandbox.call`` calls directly; it checks its keywords itself) or
+   ``raise_exception`` (raises). ``x.a`` on a namespace reads its attribute dict: the stock ``getattr``
+   returns the attribute, or an undefined when it is absent (``Namespace`` has no ``__getitem__``); a value
+   that is neither plain JSON nor a namespace raises. No namespace writes (C8: a raise leaves no trace).
+   Every assignment of the root frame (the root and root-level ``if`` branches, not nested ``for`` bodies)
+   is returned as ``context.vars`` holds it after the jinja2 render; an undefined value there raises.
 """
 
 from __future__ import annotations
