@@ -81,6 +81,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 from toktier_backend.errors import UnsupportedTokenizer
 
@@ -92,9 +93,9 @@ _ROOT_UNSUPPORTED = ("Extends", "Block", "Include", "Import", "FromImport", "Mac
                      "ScopedEvalContextModifier", "OverlayScope")
 
 
-@dataclass(frozen=True)
-class IterForm:
-    """A loop's iterable as positions in ``messages``: ``messages[start:]`` forward, or all of it reversed."""
+class IterForm(NamedTuple):
+    """A loop's iterable as positions in ``messages``: ``messages[start:]`` forward, or all of it reversed.
+    (A named tuple: compared and hashed in C, on every request.)"""
 
     start: int
     reverse: bool

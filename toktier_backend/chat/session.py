@@ -406,8 +406,9 @@ def _append_record(p: int, rec: "_Rec", recs: list, nsens: list, nonempty: list,
         nsens.append(p)
     if rec.out:
         nonempty.append(p)
-    for key in rec.ns_reads.keys() | rec.cmps.keys():
-        readers.setdefault(key, []).append(p)
+    if rec.ns_reads or rec.cmps:
+        for key in rec.ns_reads.keys() | rec.cmps.keys():
+            readers.setdefault(key, []).append(p)
     for key in rec.writes:
         writers.setdefault(key, []).append(p)
     if rec.maxread > p:
@@ -502,13 +503,17 @@ class _Builder:
         for p, rec in replaced:
             was = recs[p]
             recs[p] = rec
-            _move(nsens, p, was.nsens, rec.nsens)
-            _move(la, p, was.maxread > p, rec.maxread > p)
+            if was.nsens != rec.nsens:
+                _move(nsens, p, was.nsens, rec.nsens)
+            if (was.maxread > p) != (rec.maxread > p):
+                _move(la, p, was.maxread > p, rec.maxread > p)
             read_before = was.ns_reads.keys() | was.cmps.keys()
             read_after = rec.ns_reads.keys() | rec.cmps.keys()
             for d, before, after in ((readers, read_before, read_after),
                                      (writers, was.writes.keys(), rec.writes.keys())):
-                for key in before | after:
+                if before == after:  # (a key in both stays indexed at p)
+                    continue
+                for key in before ^ after:
                     lst = d.get(key)
                     if lst is None:
                         d[key] = lst = []
@@ -1030,10 +1035,14 @@ class ChatSession:
         ``built``: ids of the request's own variables (plain by construction; held by the caller)."""
         inputs = {name: variables.get(name, MISSING) for name in seg.free if name != "messages"}
         n = len(chat)
-        cacheable = (not seg.uses_messages or variables.get("messages") is chat) and all(
-            v is MISSING or id(v) in built or plain_value(v) for v in inputs.values())
+        cacheable = not seg.uses_messages or variables.get("messages") is chat
+        if cacheable:
+            for v in inputs.values():
+                if not (v is MISSING or id(v) in built or plain_value(v)):
+                    cacheable = False
+                    break
         if (cacheable and type(old) is _PlainMemo and old.maxread < k and (not old.nsens or old.n == n)
-                and old.inputs.keys() == inputs.keys() and all(same(old.inputs[x], v) for x, v in inputs.items())):
+                and old.inputs.keys() == inputs.keys() and _all_same(old.inputs, inputs)):
             self.stats["plain_reused"] += 1
             return old
         rec = _Rec(None, -1)
@@ -1244,9 +1253,10 @@ class ChatSession:
         for x in bad_la:
             if lo <= x < hi:
                 cands.append(x)
-        keys = set(state) | set(old.entry) | set(old.writers)
-        for key in keys:
-            if same(state.get(key, MISSING), old.old_value(key, p)):
+        for key in state.keys() | old.entry.keys() | old.writers.keys():
+            v = state.get(key, MISSING)
+            was = old.old_value(key, p)
+            if v is was or same(v, was):
                 continue
             rd = old.readers.get(key)
             if not rd:
@@ -1299,7 +1309,9 @@ class ChatSession:
         and new texts are compared as streams of pieces, so only the chars up to the first difference and
         the new text after it are touched."""
         old_pieces = self._pieces
-        total = sum(len(p) if isinstance(p, str) else p.length() for p in pieces)
+        total = 0
+        for p in pieces:
+            total += len(p) if type(p) is str else p.length()
         base = 0
         i = 0
         skip = 0  # records of the forward loop piece where the streams start that are the same as before
@@ -1353,6 +1365,15 @@ class ChatSession:
     @staticmethod
     def _join(pieces) -> str:
         return "".join(p if isinstance(p, str) else p.text() for p in pieces)
+
+
+def _all_same(old: dict, new: dict) -> bool:
+    """``same(old[x], new[x])`` for every key of ``new`` (its keys are ``old``'s)."""
+    for x, v in new.items():
+        w = old[x]
+        if w is not v and not same(w, v):
+            return False
+    return True
 
 
 def _signature(value) -> bytes:
