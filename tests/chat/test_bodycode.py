@@ -330,3 +330,56 @@ def test_loop_attributes_equal_jinja2s():
                     ("index0", "index", "revindex0", "revindex", "first", "last", "length")])
                for p in range(n - 1, -1, -1)]
         assert got == want
+
+
+HOSTILE_SOURCES = {
+    "an import": "import os\ndef body():\n    return ''\n",
+    "a dunder attribute": "def body():\n    return ().__class__\n",
+    "a dunder name": "def body():\n    return __import__('os')\n",
+    "a builtin it is not given": "def body():\n    return open('/etc/hostname')\n",
+    "a call of a template value": "def body(l_0_m):\n    return l_0_m()\n",
+    "a method of a template value": "def body(l_0_m):\n    _o = []\n    l_0_m.append(1)\n    return ''\n",
+    "an attribute outside the list": "def body(rec):\n    return rec.cmps\n",
+    "a lambda": "def body():\n    return (lambda: 1)()\n",
+    "a generator": "def body():\n    yield 1\n",
+    "two functions": "def body():\n    return ''\ndef other():\n    return ''\n",
+    "a nested function": "def body():\n    def inner():\n        return ''\n    return inner()\n",
+    "a decorator": "@_k0\ndef body():\n    return ''\n",
+}
+
+
+@pytest.mark.parametrize("why", sorted(HOSTILE_SOURCES))
+def test_load_refuses_source_outside_the_generated_subset(why):
+    """``_load`` is the one ``exec`` of the package (``tests/test_spec.py``): it runs only what the
+    generator writes (C10)."""
+    ran = []
+    with pytest.raises(bodycode.Unsupported, match="generated source"):
+        bodycode._load(HOSTILE_SOURCES[why], {"_k0": ran.append}, "<test>")
+    assert ran == []
+
+
+def test_load_gives_the_source_only_its_builtins():
+    fn = bodycode._load("def body(x):\n    return str(len(x))\n", {}, "<test>")
+    assert fn("abc") == "3"
+    assert fn.__globals__["__builtins__"] == bodycode.SOURCE_BUILTINS
+
+
+HOSTILE_TEMPLATE = """
+{%- set q = '\"\"\"\\'); import os; (\\'' -%}
+{%- for m in messages -%}
+{{- q ~ \"'''\\n\\\\\" ~ (m.__import__ is defined) ~ (m.__builtins__ is defined) -}}
+{%- set __import__ = m.content -%}{{- __import__ ~ '\\x00' -}}
+{%- endfor -%}
+"""
+
+
+def test_template_text_reaches_the_source_as_data():
+    """Quotes, backslashes, newlines and dunder names in a template are values and keys in the compiled
+    body (C10); it renders what jinja2 renders, compiled."""
+    twin = Twin(HOSTILE_TEMPLATE, {})
+    conv = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "c'd\"\n"}]
+    assert "import os" in twin.step(conv)
+    twin.step(conv + [{"role": "user", "content": "\\"}])
+    assert twin.compiled() >= 2
+    bodies = [fn for seg in twin.fast.plan.segments for fn in seg.fast.values()]
+    assert bodies and all(fn is not None for fn in bodies)

@@ -87,10 +87,22 @@ C9 Plain segments (:func:`compile_plain`: ``fn(variables, built) -> (output, ass
    that is neither plain JSON nor a namespace raises. No namespace writes (C8: a raise leaves no trace).
    Every assignment of the root frame (the root and root-level ``if`` branches, not nested ``for`` bodies)
    is returned as ``context.vars`` holds it after the jinja2 render; an undefined value there raises.
+C10 What the generated source can reach. Template text enters the source only as ``repr`` of a ``str``,
+   ``int``, ``bool`` or ``None`` (constants, attribute and keyword names), as jinja2's own local names
+   (``l_<level>_<name>``, from names its lexer accepted: the same names jinja2 puts in the code it runs through ``exec``
+   for every template), or as a key into the scope (``_k<n>``: filters, tests, floats, ``namespace``).
+   :func:`_load` re-parses the source and refuses it (:class:`Unsupported`) unless it is one ``def body`` made
+   of the node types the generator writes, reading only :data:`SOURCE_ATTRIBUTES` of its own objects (its
+   output list, a ``str`` constant, the record's dicts; never of a jinja2 local), calling only names (never a
+   value of the template: no jinja2 local is ever called), naming nothing that starts with ``__`` and nothing
+   it does not bind or the scope holds; it runs with :data:`SOURCE_BUILTINS` as its only builtins. So a
+   template reaches attributes, items and calls only through the helpers above (C4, C6), as it reaches them
+   through the sandbox on the jinja2 path.
 """
 
 from __future__ import annotations
 
+import ast
 import operator
 from typing import Any, Callable
 
@@ -382,6 +394,59 @@ def environment_supported(env) -> str | None:
     return None
 
 
+#: The attributes generated source reads: its output list's ``append``, ``str.join`` and the record's dicts.
+SOURCE_ATTRIBUTES = frozenset({"append", "join", "__setitem__", "loop_reads", "ns_reads", "writes"})
+#: The only builtins generated source has (C10).
+SOURCE_BUILTINS = {"enumerate": enumerate, "len": len, "str": str}
+_SOURCE_NODES = frozenset({
+    ast.Module, ast.FunctionDef, ast.arguments, ast.arg, ast.Assign, ast.Expr, ast.Return, ast.If, ast.For,
+    ast.Break, ast.Continue, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Subscript, ast.Slice, ast.Call,
+    ast.keyword, ast.Constant, ast.Tuple, ast.List, ast.Dict, ast.IfExp, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp,
+    ast.Not, ast.USub, ast.UAdd, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow,
+    ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Is, ast.IsNot,
+})
+
+
+def _load(source: str, scope: dict, filename: str) -> Callable:
+    """The function ``body`` that ``source`` defines, run in ``scope`` with :data:`SOURCE_BUILTINS` only,
+    after checking the source is inside what the generator writes (C10).
+
+    Raises:
+        Unsupported: the source is outside that subset (a generator bug: the template then renders through
+            jinja2).
+    """
+    tree = ast.parse(source, filename)
+    fn = tree.body[0] if len(tree.body) == 1 else None
+    if type(fn) is not ast.FunctionDef or fn.name != "body" or fn.decorator_list or fn.returns:
+        raise Unsupported("generated source: not one plain 'def body'")
+    for node in ast.walk(tree):
+        t = type(node)
+        if t not in _SOURCE_NODES or (t is ast.FunctionDef and node is not fn):
+            raise Unsupported(f"generated source: a {t.__name__} node")
+        if t is ast.Attribute:
+            base = node.value
+            while type(base) is ast.Attribute:
+                base = base.value
+            if node.attr not in SOURCE_ATTRIBUTES or not (
+                    (type(base) is ast.Name and not base.id.startswith("l_")) or type(base) is ast.Constant):
+                raise Unsupported(f"generated source: attribute {node.attr!r} of a template value")
+        if t is ast.Name and node.id.startswith("__"):
+            raise Unsupported(f"generated source: name {node.id!r}")
+        if t is ast.Call and not (type(node.func) is ast.Attribute or (
+                type(node.func) is ast.Name and not node.func.id.startswith("l_"))):
+            raise Unsupported("generated source: a call of a value")
+        if t is ast.arg and node.annotation is not None:
+            raise Unsupported("generated source: an annotation")
+    bound = {a.arg for a in fn.args.args} | {n.id for n in ast.walk(fn) if type(n) is ast.Name
+                                              and type(n.ctx) is ast.Store}
+    free = {n.id for n in ast.walk(fn) if type(n) is ast.Name} - bound - scope.keys() - SOURCE_BUILTINS.keys()
+    if free:
+        raise Unsupported(f"generated source: names it does not bind {sorted(free)}")
+    scope["__builtins__"] = dict(SOURCE_BUILTINS)
+    exec(compile(tree, filename, "exec"), scope)  # noqa: S102 - our own generated source, checked above (C10)
+    return scope["body"]
+
+
 def compile_body(env, node, *, target: str, reverse: bool, start: int, ns_names: tuple[str, ...],
                  outer_names: tuple[str, ...], uses_messages: bool, missing: Any) -> Callable:
     """The compiled twin of the loop body ``node`` (a ``jinja2.nodes.Template``) for one specialization:
@@ -402,8 +467,7 @@ def compile_body(env, node, *, target: str, reverse: bool, start: int, ns_names:
     scope = {"U": UNDEFINED, "Bail": Bail, "_ga": _ga, "_gi": _gi, "_sm": _sm, "_call": _call, "_call1": _call1,
              "_seq": _seq, "_concat": _concat, "_nsr": nsr, "_cmp": cmp_, "_nsw": _nsw, "_cmpv": _cmpv, "_mget": _mget,
              "_mlen": _mlen, "_bail": _bail, **gen.consts}
-    exec(compile(source, f"<chat body {target}>", "exec"), scope)  # noqa: S102 - our own generated source
-    fn = scope["body"]
+    fn = _load(source, scope, f"<chat body {target}>")
     fn.source = source
     return fn
 
@@ -428,8 +492,7 @@ def compile_plain(env, node, *, present: frozenset[str]) -> Callable:
     scope = {"U": UNDEFINED, "Bail": Bail, "_ga": _ga, "_gi": _gi, "_sm": _sm, "_call": _call, "_call1": _call1,
              "_seq": _seq, "_concat": _concat, "_bail": _bail, "_pv": pv, "_gap": gap, "_ex": _ex,
              **gen.consts}
-    exec(compile(source, "<chat plain segment>", "exec"), scope)  # noqa: S102 - our own generated source
-    fn = scope["body"]
+    fn = _load(source, scope, "<chat plain segment>")
     fn.source = source
     return fn
 
