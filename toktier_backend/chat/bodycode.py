@@ -157,7 +157,9 @@ _IDENTITY_TESTS = {"defined": "is not", "undefined": "is", "none": "is"}
 
 LOOP_ATTRS = frozenset({"index0", "index", "revindex0", "revindex", "first", "last", "length"})
 
-_BINOPS = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "FloorDiv": "//", "Mod": "%", "Pow": "**"}
+_BINOPS = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "FloorDiv": "//", "Mod": "%", "Pow": "**",
+           "And": "and", "Or": "or"}
+_UNOPS = {"Not": "not ", "Neg": "-", "Pos": "+"}
 _CMP = {"eq": "==", "ne": "!=", "gt": ">", "gteq": ">=", "lt": "<", "lteq": "<=", "in": "in", "notin": "not in"}
 OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "gteq": operator.ge, "lt": operator.lt,
        "lteq": operator.le}
@@ -766,16 +768,8 @@ class _Gen:
             return self.getitem(node, sym)
         if kind in _BINOPS:
             return f"({self.expr(node.left, sym)} {_BINOPS[kind]} {self.expr(node.right, sym)})"
-        if kind == "And":
-            return f"({self.expr(node.left, sym)} and {self.expr(node.right, sym)})"
-        if kind == "Or":
-            return f"({self.expr(node.left, sym)} or {self.expr(node.right, sym)})"
-        if kind == "Not":
-            return f"(not {self.expr(node.node, sym)})"
-        if kind == "Neg":
-            return f"(-{self.expr(node.node, sym)})"
-        if kind == "Pos":
-            return f"(+{self.expr(node.node, sym)})"
+        if kind in _UNOPS:
+            return f"({_UNOPS[kind]}{self.expr(node.node, sym)})"
         if kind == "Compare":
             parts = [self.expr(node.expr, sym)]
             for op in node.ops:
