@@ -448,3 +448,34 @@ def test_plain_kept_reuses_only_a_copy_the_value_would_equal():
         # kept: a value equal to the previous one, or to the previous copy (the str subclass's); else new
         assert (got is previous) == (i in (1, 8, 14, 16)), (i, v)
         previous = got
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_an_appended_turn_does_not_stream_the_old_text(name, monkeypatch):
+    """On a turn that appends a message, what comes before the re-rendered records is skipped by length:
+    the old text's stream (when there is one) holds the last records and the strings after them, never
+    the loop's records from the start (deepseek_v3's system-prompt scan, a loop that prints nothing,
+    made the old stream start before its main loop on every turn). Text against the full render at
+    every step."""
+    import toktier_backend.chat.session as session_module
+
+    streamed = []  # pieces of each old stream
+    real = session_module._common_prefix_streams
+
+    def counting(a, b):
+        old = list(a)
+        streamed.append(len(old))
+        return real(iter(old), b)
+
+    monkeypatch.setattr(session_module, "_common_prefix_streams", counting)
+    source, cfg = template_source(name)
+    chat, ref = ChatSession(source, special_tokens(cfg)), ChatRenderer(source, special_tokens(cfg))
+    conv = conversation(name, _files()[0])[:14]
+    options = {"tools": TOOLS} if name in TOOL_TEMPLATES else {}
+    chat.render(conv[:2], add_generation_prompt=True, **options)
+    for i in range(3, len(conv) + 1):
+        agp = conv[i - 1]["role"] != "assistant"
+        r = chat.render_more([conv[i - 1]], add_generation_prompt=agp, **options)
+        assert r.text == ref.render(conv[:i], add_generation_prompt=agp, **options), (name, i)
+    assert chat.stats["incremental"] == len(conv) - 1
+    assert max(streamed, default=0) <= 4, streamed

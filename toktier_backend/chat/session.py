@@ -1331,8 +1331,9 @@ class ChatSession:
                 j = new.keep
                 if new.shared is old:
                     # extended in place (_Builder._extend): every record below old.n has its old output, so
-                    # the old piece's text is the new piece's text up to there
-                    if new.n == old.n:
+                    # the old piece's text is the new piece's text up to there; equal lengths: the records
+                    # past old.n (if any) print nothing, so the texts are equal
+                    if new.length() == old.length():
                         base += new.length()
                         continue
                     skip = max(0, old.n - new.form.start)
