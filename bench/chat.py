@@ -42,6 +42,11 @@ ids against gigatoken's): tens of MB at 3M chars, less at 100K, so the bigger si
 colder caches. ``--sweep-mb N`` also reads an N MB buffer after each check (and after each anchor sample),
 so that every turn at every size starts from the same cold state (32 MB is above this machine's caches).
 
+Background indexing. A session's first text is indexed for prefix reuse by a background thread
+(``pipeline/prefix_index.py``); the timed turns start once it is done (:func:`_settle`), as an agent's next
+call comes seconds after its first. Turns sent while it runs wait for the GIL (``docs/design/chat.md``,
+session 17).
+
 Exactness first: every sample's text is compared with the jinja2 full render, every sample's ids with
 gigatoken's encode of that text, and the first and last samples' ids with HF ``tokenizers``
 (``add_special_tokens=False``); a system with a mismatch is printed as INEXACT. Output: a table, then
@@ -181,6 +186,13 @@ def _options(options: dict, value: dict) -> dict:
     return options
 
 
+def _settle(tok) -> None:
+    """Wait (untimed) for the background indexing of the session's first text (module docstring)."""
+    idx = tok.tokenizer.prefix_index
+    if idx is not None:
+        idx.drain()
+
+
 def _same(render, ids, text: str, want: np.ndarray) -> bool:
     """The reply check between timed turns: the whole text and the ids (its memory traffic is part of the
     cache state the next turn starts from)."""
@@ -245,6 +257,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
         r = chat.render(got.messages, same_prefix=got.same_prefix, **_options(options, got.value))
     assert r.text == base
     tok.update(r.text)
+    _settle(tok)
     extends = reused_all = 0
     n_messages = [len(m) for m in reqs]
     gc.collect()
@@ -298,6 +311,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     tok_d = load_tokenizer(str(tok_path)).session(add_special_tokens=False)
     r = chat_d.render(first, **options)
     tok_d.update(r.text)
+    _settle(tok_d)
     ends = [start + 2 * (s + 1) for s in range(len(reqs))]
     prev_end = len(first)
     floor_ok = True
