@@ -21,26 +21,30 @@ O1. Concatenation: the root template's output is the concatenation of its statem
     to the next as variables; names set inside a loop body are local to one iteration in jinja (the compiled
     body re-resolves them from the outer context at each iteration start), which is also what a fresh render
     of the body template does. No ``extends``/``block``/``include``/``import``/``macro``/``call`` at root:
-    they bind names or templates across segments in ways O1 does not cover.
+    they bind names or templates across segments in ways O1 does not cover. No name or keyword name that
+    Python's NFKC normalization changes: jinja2's generated code merges ``ｘ`` into ``x``, the context does not.
 O2. The loop is a plain iteration: no ``else``, no ``if`` filter, not ``recursive``, a single name as
     target, no ``break``/``continue`` at body level (they act on the loop the body no longer sits in); a
     loop over messages nested anywhere but at root is not handled (the whole template renders in full).
-O3. What an iteration reads: the body's free names (``jinja2.meta.find_undeclared_variables``) are the loop
-    target (the message: reused only for the same message object, and the session reuses an object only for
-    a message equal to the previous request's, see :mod:`.session`), ``loop`` (a recording stand-in whose
-    every attribute read is recorded with its value, then checked against the new position and length),
-    ``messages`` (only through ``messages[i]`` and the ``length``/``count``/``first``/``last`` filters,
-    each recorded: the highest index read, or "depends on the length"), namespaces (every attribute read
-    before the iteration wrote it is recorded with its value; writes are recorded), and other outer values,
-    compared whole between requests (any change: no iteration is reused). Deterministic globals only:
-    ``strftime_now`` and the ``random``/``lipsum``/``cycler``/``joiner`` helpers in a body, and outer
-    values that are not plain JSON or namespaces (macros, cyclers), disqualify reuse.
+O3. What an iteration reads: the body's free names (:func:`free_names`: jinja2's undeclared names and the
+    globals it loads, which a variable may shadow) are the loop target (the message: reused only for the same
+    message object, and the session reuses an object only for a message equal to the previous request's, see
+    :mod:`.session`), ``loop`` (a recording stand-in whose every attribute read is recorded with its value,
+    then checked against the new position and length), ``messages`` (only through ``messages[i]`` and the
+    ``length``/``count``/``first``/``last`` filters, each recorded: the highest index read, or "depends on the
+    length"), namespaces (every attribute read before the iteration wrote it is recorded with its value; writes
+    are recorded), and other outer values, compared whole between requests (any change: no iteration is
+    reused). Deterministic globals only: ``strftime_now`` and the ``random``/``lipsum``/``cycler``/``joiner``
+    helpers in a body, and outer values that are not plain JSON or namespaces (macros, cyclers), disqualify
+    reuse.
 O4. Determinism: given equal recorded reads, the body takes the same branches and produces the same output
     and the same namespace writes (jinja expressions are pure over the sandbox's immutable values; the only
     mutable objects are namespaces, whose reads are recorded). An iteration that raised is never cached:
     the request falls back to the full render, which raises the same error.
 O5. Inlining (to make reads lazy): a body-level ``{% set v = e %}`` where ``e`` is built only from integer
     constants, ``loop.<attr>``, ``messages|length`` and ``+ - *`` (total: it cannot raise and has no effect),
+    reading ``loop`` or the length (a constant, substituted, could be folded by jinja2's optimizer together with
+    the expression around the read, where the local is not),
     ``v`` is assigned nowhere else in the body, is not read before it, and is not read inside a nested loop
     (where ``loop`` means another loop), is removed and ``e`` substituted at each read of ``v``: the value is
     the same at every read, so output is unchanged, while an iteration that never reads ``v`` no longer
@@ -206,8 +210,17 @@ class _NotIncremental(Exception):
 
 
 def _plan(env, root) -> Plan:
+    import unicodedata
+
     from jinja2 import nodes
 
+    # jinja2 writes names and keyword names into Python source, where the parser NFKC-normalizes
+    # identifiers ("ｘ" and "x" are one local), while the context keeps them as written: the segments'
+    # bookkeeping keys names as written, so such a template renders whole
+    written = {n.name for n in root.find_all(nodes.Name)} | {k.key for k in root.find_all(nodes.Keyword)}
+    odd = sorted(x for x in written if unicodedata.normalize("NFKC", x) != x)
+    if odd:
+        raise _NotIncremental(f"names that Python normalizes (NFKC): {odd!r} (O1)")
     for node in root.body:
         if type(node).__name__ in _ROOT_UNSUPPORTED:
             raise _NotIncremental(f"root-level {type(node).__name__} (O1)")
@@ -238,10 +251,20 @@ def _plan(env, root) -> Plan:
 _BINDS = frozenset(_ROOT_UNSUPPORTED) | {"Assign", "AssignBlock", "NSRef", "With", "EvalContextModifier"}
 
 
+def free_names(env, node) -> frozenset[str]:
+    """The names ``node`` (a ``jinja2.nodes.Template``) reads from its context: jinja2's undeclared names,
+    and the environment's global names it loads (``find_undeclared_variables`` leaves those out, yet a
+    variable of the same name, passed or set at root, shadows the global in the context)."""
+    import jinja2.meta
+    from jinja2 import nodes
+
+    loaded_globals = {n.name for n in node.find_all(nodes.Name) if n.ctx == "load" and n.name in env.globals}
+    return frozenset(jinja2.meta.find_undeclared_variables(node)) | loaded_globals
+
+
 def _plain_segments(env, stmts, aliases) -> list:
     """A run of root statements as plain segments: each maximal run of O7-reusable statements, and each
     maximal run of the others, in order (concatenation, O1)."""
-    import jinja2.meta
     from jinja2 import nodes
 
     out: list = []
@@ -253,8 +276,7 @@ def _plain_segments(env, stmts, aliases) -> list:
             j += 1
         node = nodes.Template(stmts[i:j], lineno=1).set_environment(env)
         compiled = Compiled(env.from_string(node))
-        free = frozenset(jinja2.meta.find_undeclared_variables(
-            nodes.Template(stmts[i:j], lineno=1).set_environment(env)))
+        free = free_names(env, nodes.Template(stmts[i:j], lineno=1).set_environment(env))
         out.append(PlainSegment(compiled, ok, free, ok and "messages" in free, node=node))
         i = j
     return out
@@ -358,7 +380,6 @@ def _mentions_message_loop(node, aliases) -> bool:
 
 
 def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
-    import jinja2.meta
     from jinja2 import nodes
 
     where = f"line {node.lineno}"
@@ -378,7 +399,7 @@ def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
         body = _rewrite_positions(body)
     body = [_rewrite_compares(stmt) for stmt in body]
     tmpl_node = nodes.Template(body, lineno=1).set_environment(env)
-    free = frozenset(jinja2.meta.find_undeclared_variables(tmpl_node)) - {COMPARE}
+    free = free_names(env, tmpl_node) - {COMPARE}
     loaded = {n.name for n in tmpl_node.find_all(nodes.Name) if n.ctx == "load"}  # globals are not "free"
     bad = loaded & _NONDETERMINISTIC
     if bad:
@@ -663,8 +684,11 @@ def _inline(body: list) -> tuple[list, tuple[str, ...]]:
     i = 0
     while i < len(body):
         n = body[i]
+        # a constant e is left alone: substituted, it could be folded by jinja2's optimizer into the
+        # expression around the read (``5[0:1]`` folds to an undefined where ``x[0:1]`` raises)
         if (isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and _total(n.node)
-                and _inlinable(body, i, n.target.name)):
+                and not isinstance(n.node, nodes.Const) and any(True for _ in n.node.find_all(
+                    (nodes.Getattr, nodes.Filter))) and _inlinable(body, i, n.target.name)):
             name, expr = n.target.name, n.node
             body = body[:i] + [_substitute(s, name, expr) for s in body[i + 1:]]
             done.append(name)

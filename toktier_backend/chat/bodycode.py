@@ -402,7 +402,7 @@ SOURCE_ATTRIBUTES = frozenset({"append", "join", "__setitem__", "loop_reads", "n
 SOURCE_BUILTINS = {"enumerate": enumerate, "len": len, "str": str}
 _SOURCE_NODES = frozenset({
     ast.Module, ast.FunctionDef, ast.arguments, ast.arg, ast.Assign, ast.Expr, ast.Return, ast.If, ast.For,
-    ast.Break, ast.Continue, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Subscript, ast.Slice, ast.Call,
+    ast.Pass, ast.Break, ast.Continue, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Subscript, ast.Slice, ast.Call,
     ast.keyword, ast.Constant, ast.Tuple, ast.List, ast.Dict, ast.IfExp, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp,
     ast.Not, ast.USub, ast.UAdd, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow,
     ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Is, ast.IsNot,
@@ -417,7 +417,10 @@ def _load(source: str, scope: dict, filename: str) -> Callable:
         Unsupported: the source is outside that subset (a generator bug: the template then renders through
             jinja2).
     """
-    tree = ast.parse(source, filename)
+    try:
+        tree = ast.parse(source, filename)
+    except (SyntaxError, RecursionError, MemoryError) as e:  # e.g. nesting past the parser's limit
+        raise Unsupported(f"generated source does not parse: {type(e).__name__}") from None
     fn = tree.body[0] if len(tree.body) == 1 else None
     if type(fn) is not ast.FunctionDef or fn.name != "body" or fn.decorator_list or fn.returns:
         raise Unsupported("generated source: not one plain 'def body'")
@@ -444,8 +447,12 @@ def _load(source: str, scope: dict, filename: str) -> Callable:
     free = {n.id for n in ast.walk(fn) if type(n) is ast.Name} - bound - scope.keys() - SOURCE_BUILTINS.keys()
     if free:
         raise Unsupported(f"generated source: names it does not bind {sorted(free)}")
+    try:
+        code = compile(tree, filename, "exec")
+    except (SyntaxError, RecursionError, MemoryError) as e:
+        raise Unsupported(f"generated source does not compile: {type(e).__name__}") from None
     scope["__builtins__"] = dict(SOURCE_BUILTINS)
-    exec(compile(tree, filename, "exec"), scope)  # noqa: S102 - our own generated source, checked above (C10)
+    exec(code, scope)  # noqa: S102 - our own generated source, checked above (C10)
     return scope["body"]
 
 
@@ -721,6 +728,12 @@ class _Gen:
         lsym = Symbols(parent=sym)
         loop_ref = lsym.declare_parameter("loop") if extended else None
         lsym.analyze_node(node, for_branch="body")
+        # jinja2 names a frame's locals by depth (l_<level>_<name>): a sibling frame at the same depth reuses
+        # a ref, so what an earlier sibling made of it (a special name, a nested loop's loop) is dropped here
+        # before this frame binds its own (C1, C2)
+        for ref in lsym.loads:
+            self.special.pop(ref, None)
+            self.inner.pop(ref, None)
         target = lsym.ref(node.target.name)
         it = self.fresh("it")
         self.line(f"{it} = _seq({seq})")

@@ -1096,6 +1096,9 @@ class ChatSession:
                 outer[name] = v
             else:
                 raise _Fallback(f"the loop body reads {name!r}, a {type(v).__name__} (O3)")
+        if len(ns_names) > 1 and len({id(variables[name]) for name in ns_names}) < len(ns_names):
+            # the state is keyed by name: one namespace under two names would be two copies
+            raise _Fallback("the loop body reads one namespace under two names")
         state: dict = {}
         for name in ns_names:
             for a, v in object.__getattribute__(variables[name], "_Namespace__attrs").items():
@@ -1173,6 +1176,15 @@ class ChatSession:
             rendered += 1
             p += step
         build.finish(n, start)
+        entry = memo.entry
+        added = [key for key in state if key not in entry]
+        if added:
+            # a namespace's attributes are in first-write order (jinja2's Namespace: a dict): the keys it had
+            # before the loop, then each new one at the first iteration (in loop order) whose record writes it;
+            # reused blocks replay writes in the old render's order, so the order is taken from the index
+            w = memo.writers
+            added.sort(key=(lambda key: -w[key][-1]) if form.reverse else (lambda key: w[key][0]))
+            state = {key: state[key] for key in [*(key for key in state if key in entry), *added]}
         for name in ns_names:
             attrs = object.__getattribute__(variables[name], "_Namespace__attrs")
             attrs.clear()
