@@ -63,9 +63,9 @@ def test_no_pickle_eval_or_remote_code_in_the_load_and_serve_path():
     never read: ``marshal.load``/``loads`` of untrusted bytes is the hazard, as any pickle or dill import.
 
     One ``exec`` is allowed: ``chat/bodycode.py``'s ``_load``, which runs the Python the chat compiler
-    generates from a template's AST (as jinja2 runs the code it generates for every template through ``exec``), after
-    checking the source against the subset the generator writes, with three builtins (its C10;
-    ``tests/chat/test_bodycode.py`` feeds it hostile sources and templates)."""
+    generates from a template's AST (as jinja2 runs the code it generates for every template through
+    ``exec``), after checking the source against the subset the generator writes, with three builtins (its
+    C10; ``tests/chat/test_bodycode.py`` feeds it hostile sources and templates)."""
     pattern = re.compile(r"^\s*(import pickle|from pickle|import dill|from marshal)|\bmarshal\.loads?\b|"
                          r"\b(eval|exec)\(|trust_remote_code", re.M)
     hits = [f"{p.relative_to(PACKAGE)}: {m.group(0).strip()}" for p in PACKAGE.rglob("*.py")

@@ -400,8 +400,7 @@ def _loop_segment(env, node, forms, aliases, plan) -> LoopSegment:
     body = [_rewrite_compares(stmt) for stmt in body]
     tmpl_node = nodes.Template(body, lineno=1).set_environment(env)
     free = free_names(env, tmpl_node) - {COMPARE}
-    loaded = {n.name for n in tmpl_node.find_all(nodes.Name) if n.ctx == "load"}  # globals are not "free"
-    bad = loaded & _NONDETERMINISTIC
+    bad = free & _NONDETERMINISTIC
     if bad:
         raise _NotIncremental(f"the loop body at {where} calls {sorted(bad)} (O3)")
     for flt in tmpl_node.find_all(nodes.Filter):
@@ -687,8 +686,8 @@ def _inline(body: list) -> tuple[list, tuple[str, ...]]:
         # a constant e is left alone: substituted, it could be folded by jinja2's optimizer into the
         # expression around the read (``5[0:1]`` folds to an undefined where ``x[0:1]`` raises)
         if (isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and _total(n.node)
-                and not isinstance(n.node, nodes.Const) and any(True for _ in n.node.find_all(
-                    (nodes.Getattr, nodes.Filter))) and _inlinable(body, i, n.target.name)):
+                and any(True for _ in n.node.find_all((nodes.Getattr, nodes.Filter)))
+                and _inlinable(body, i, n.target.name)):
             name, expr = n.target.name, n.node
             body = body[:i] + [_substitute(s, name, expr) for s in body[i + 1:]]
             done.append(name)

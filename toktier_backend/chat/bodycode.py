@@ -89,8 +89,8 @@ C9 Plain segments (:func:`compile_plain`: ``fn(variables, built) -> (output, ass
    is returned as ``context.vars`` holds it after the jinja2 render; an undefined value there raises.
 C10 What the generated source can reach. Template text enters the source only as ``repr`` of a ``str``,
    ``int``, ``bool`` or ``None`` (constants, attribute and keyword names), as jinja2's own local names
-   (``l_<level>_<name>``, from names its lexer accepted: the same names jinja2 puts in the code it runs through ``exec``
-   for every template), or as a key into the scope (``_k<n>``: filters, tests, floats, ``namespace``).
+   (``l_<level>_<name>``, from names its lexer accepted: the same names jinja2 puts in the code it runs through
+   ``exec`` for every template), or as a key into the scope (``_k<n>``: filters, tests, floats, ``namespace``).
    :func:`_load` re-parses the source and refuses it (:class:`Unsupported`) unless it is one ``def body`` made
    of the node types the generator writes, reading only :data:`SOURCE_ATTRIBUTES` of its own objects (its
    output list, a ``str`` constant, the record's dicts; never of a jinja2 local), calling only names (never a
@@ -402,9 +402,9 @@ SOURCE_ATTRIBUTES = frozenset({"append", "join", "__setitem__", "loop_reads", "n
 SOURCE_BUILTINS = {"enumerate": enumerate, "len": len, "str": str}
 _SOURCE_NODES = frozenset({
     ast.Module, ast.FunctionDef, ast.arguments, ast.arg, ast.Assign, ast.Expr, ast.Return, ast.If, ast.For,
-    ast.Pass, ast.Break, ast.Continue, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Subscript, ast.Slice, ast.Call,
-    ast.keyword, ast.Constant, ast.Tuple, ast.List, ast.Dict, ast.IfExp, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp,
-    ast.Not, ast.USub, ast.UAdd, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow,
+    ast.Pass, ast.Break, ast.Continue, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Subscript, ast.Slice,
+    ast.Call, ast.keyword, ast.Constant, ast.Tuple, ast.List, ast.Dict, ast.IfExp, ast.BoolOp, ast.And, ast.Or,
+    ast.UnaryOp, ast.Not, ast.USub, ast.UAdd, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow,
     ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Is, ast.IsNot,
 })
 
