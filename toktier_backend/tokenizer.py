@@ -139,6 +139,7 @@ class Tokenizer:
         self.quarantined: dict[str, str] = {}
         #: Bumped by every new quarantine: sessions built before it rebuild once from the reference.
         self.quarantine_epoch = 0
+        self._repair_encoders = _RepairEncoders(self)  # what every session's repair calls
 
     @property
     def engine(self) -> Engine:
@@ -262,10 +263,11 @@ class Tokenizer:
         (a long text in chunks, each checked on its own: :class:`ChunkedEncoder`); everything else, and any
         engine error, goes to the reference.
         """
-        if route not in self.quarantined and self.chunked.wants(text):  # guard set checked per chunk
+        quarantined = route in self.quarantined
+        if not quarantined and self.chunked.wants(text):  # guard set checked per chunk
             return self.chunked.encode(text)
-        eng = self.engine
-        if eng is not self._hf and route not in self.quarantined and not self.admission.has_guarded(text):
+        eng = self._engine
+        if eng is not self._hf and not quarantined and not self._admission.has_guarded(text):
             try:
                 return eng.encode(text), eng.name
             except Exception as e:  # never answer approximately: the reference takes it
@@ -381,7 +383,7 @@ class Session:
         self.last_repair = RepairInfo()
         self.requests = 0
         self._epoch = tokenizer.quarantine_epoch  # ids built under this quarantine state
-        self._enc = _RepairEncoders(tokenizer)
+        self._enc = tokenizer._repair_encoders
         if self._reference_only:
             self._ref_ids = _read_only(tokenizer.encode("", add_special_tokens=add_special_tokens))
         else:
@@ -441,7 +443,7 @@ class Session:
         """
         tok = self.tokenizer
         _validate(delta, tok.max_chars, "delta")
-        old_len = len(self._store)
+        old_len = self._store.length
         if old_len + len(delta) > tok.max_chars:
             raise InvalidRequest(f"session text would reach {old_len + len(delta)} chars, over the limit of {tok.max_chars}")
         return self._serve(delta, whole=False)
@@ -459,7 +461,7 @@ class Session:
         Returns / Raises: as :meth:`update`; also ``InvalidRequest`` when ``departure`` is out of range.
         """
         tok = self.tokenizer
-        old_len = len(self._store)
+        old_len = self._store.length
         if type(departure) is not int or not 0 <= departure <= old_len:
             raise InvalidRequest(f"splice departure {departure!r} is outside the session text (0..{old_len} chars)")
         _validate(delta, tok.max_chars, "delta")
@@ -481,9 +483,10 @@ class Session:
         store = self._store
         d = departure(store, new, whole=whole) if at is None else at
         first = self.requests == 0
-        unchanged = d == len(store) == (len(new) if whole else d + len(new))
+        unchanged = d == store.length == (len(new) if whole else d + len(new))
         self.requests += 1
-        if unchanged and not first and not self._stale:
+        stale = self._stale
+        if unchanged and not first and not stale:
             ids = self.ids
             self.last_repair = RepairInfo(route="noop", departure=d, cut=d, reused=len(ids), engine="none")
             return ids
@@ -496,7 +499,7 @@ class Session:
             self._ref_ids = ids
             self.last_repair = RepairInfo(route="reference", departure=d, reused=reused, reencoded=len(ids))
             return ids
-        info = repair(self._enc, store, self._buf, new, whole=whole, d=d, force_reference=self._stale,
+        info = repair(self._enc, store, self._buf, new, whole=whole, d=d, force_reference=stale,
                       quarantined=tok.quarantined, first=first, splice=at is not None)
         if info.route == "full":  # whole text re-encoded under the current quarantine state
             self._epoch = tok.quarantine_epoch
@@ -505,35 +508,21 @@ class Session:
 
 
 class _RepairEncoders:
-    """A tokenizer as :class:`toktier_backend.pipeline.repair.Encoders` (one pointer per session)."""
+    """A tokenizer as :class:`toktier_backend.pipeline.repair.Encoders`: its cut finder, offsets table and
+    bound methods as plain attributes, one object per tokenizer (each is fixed once the tokenizer is built:
+    ``check_offsets`` runs in ``Tokenizer.__init__``; a later engine assignment is read by ``encode_body``)."""
 
-    __slots__ = ("_tok",)
+    __slots__ = ("cuts", "token_nbytes", "normalized_nbytes", "encode_body", "encode_fresh", "encode_reference",
+                 "fallback_reason")
 
     def __init__(self, tok: Tokenizer):
-        self._tok = tok
-
-    @property
-    def cuts(self) -> CutFinder:
-        return self._tok.cuts
-
-    @property
-    def token_nbytes(self) -> np.ndarray | None:
-        return self._tok.spec.token_nbytes
-
-    def normalized_nbytes(self, text: str) -> int:
-        return self._tok.spec.normalized_nbytes(text)
-
-    def encode_body(self, text: str, *, route: str) -> tuple[np.ndarray, str]:
-        return self._tok.encode_body(text, route=route)
-
-    def encode_fresh(self, text: str) -> tuple[np.ndarray, str]:
-        return self._tok.encode_fresh(text)
-
-    def encode_reference(self, text: str) -> np.ndarray:
-        return self._tok._hf.encode(text)
-
-    def fallback_reason(self, text: str, route: str) -> str:
-        return self._tok._fallback_reason(text, route)
+        self.cuts: CutFinder = tok.cuts
+        self.token_nbytes: np.ndarray | None = tok.spec.token_nbytes
+        self.normalized_nbytes: Callable[[str], int] = tok.spec.normalized_nbytes
+        self.encode_body: Callable[..., tuple[np.ndarray, str]] = tok.encode_body
+        self.encode_fresh: Callable[[str], tuple[np.ndarray, str]] = tok.encode_fresh
+        self.encode_reference: Callable[[str], np.ndarray] = tok._hf.encode
+        self.fallback_reason: Callable[[str, str], str] = tok._fallback_reason
 
 
 def _read_only(ids: np.ndarray) -> np.ndarray:

@@ -34,7 +34,7 @@ WINDOW = 1024
 WIDENINGS = 5
 
 
-@dataclass
+@dataclass(slots=True)
 class RepairInfo:
     """What the last request of a session did.
 
@@ -103,13 +103,14 @@ def departure(store: TextStore, new: str, *, whole: bool) -> int:
     stored text (the departure point is the stored length, O(1)).
     """
     if not whole:
-        return len(store)
-    return store.common_prefix(new) if len(store) else 0
+        return store.length
+    return store.common_prefix(new) if store.length else 0
 
 
-def find_cut(enc: Encoders, store: TextStore, buf: TokenBuffer, d: int) -> tuple[int, int, int] | None:
-    """``(cut, body tokens kept, widenings)``: the last stable cut ``c <= d - 1`` that is also a token
-    boundary of the stored ids, searching ``WINDOW * 2**k`` chars before ``d`` for ``k = 0..WIDENINGS``.
+def find_cut(enc: Encoders, store: TextStore, buf: TokenBuffer, d: int) -> tuple[int, int, int, str] | None:
+    """``(cut, body tokens kept, widenings, kept text)``: the last stable cut ``c <= d - 1`` that is also a
+    token boundary of the stored ids, searching ``WINDOW * 2**k`` chars before ``d`` for ``k = 0..WIDENINGS``;
+    ``kept text`` is the stored ``text[c:d]`` (what the repair re-encodes before the new text).
 
     A cut's token index: its byte position in the normalized old text is the buffer's total minus the
     normalized bytes of the old text after it; a token must end exactly there (``buf.tokens_before``).
@@ -118,23 +119,27 @@ def find_cut(enc: Encoders, store: TextStore, buf: TokenBuffer, d: int) -> tuple
     finder = enc.cuts
     if not finder.supported or enc.token_nbytes is None:
         return None
-    store_len = len(store)
+    store_len = store.length
     hi = d - 1
     for k in range(WIDENINGS + 1):
         lo = max(1, d - WINDOW * (2**k))
         if lo > hi:
             break
         base = max(0, lo - finder.left_context)
-        window = store.tail(base)[: d - base]  # old text == new text before d
+        window = store.tail(base)
+        if d < store_len:
+            window = window[: d - base]  # old text == new text before d
         while True:
             c = finder.last_cut(window, lo - base, hi - base, d - base)
             if c is None:
                 break
+            kept = window[c:]
             c += base
-            nb = buf.body_nbytes - enc.normalized_nbytes(store.tail(c) if c < store_len else "")
+            # normalized bytes of the stored text after c (not split at d: a normalizer may compose across it)
+            nb = buf.body_nbytes - enc.normalized_nbytes(kept if d == store_len else store.tail(c))
             keep = buf.tokens_before(nb)
             if keep is not None:
-                return c, keep, k
+                return c, keep, k, kept
             log.warning("stable cut %d is not a token boundary (family %s); trying an earlier one", c, finder.name)
             hi = c - 1
         hi = lo - 1
@@ -159,7 +164,7 @@ def repair(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, *, whole
     On return ``buf`` holds ``HF encode(new text, add_special_tokens=False).ids`` between its constant
     prefix and suffix, and ``store`` holds the new text. An exception from an encode leaves both unchanged.
     """
-    old_len = len(store)
+    old_len = store.length
     if splice:
         new_len = d + len(new)
     else:
@@ -172,11 +177,9 @@ def repair(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, *, whole
         no_cut = d > 0 and new_len > 0 and enc.cuts.supported
         return _full(enc, store, buf, new, whole, d, WIDENINGS + 1 if d > 0 else 0, first,
                      fallback="no_cut" if no_cut else "", splice=splice)
-    c, keep, widenings = found
-    if splice:
-        tail = store.tail(c)[: d - c] + new
-    else:
-        tail = new[c:] if whole else store.tail(c) + new
+    c, keep, widenings, kept = found
+    # the new text after c: the stored text[c:d] (the new text shares it), then what departs at d
+    tail = new[c:] if whole else kept + new
     body, engine = enc.encode_body(tail, route=route)
     base = buf.body_nbytes_before(keep)
     buf.splice(keep, body, enc.token_nbytes)

@@ -18,21 +18,23 @@ BLOCK = 1 << 16
 class TextStore:
     """The text of one session, as blocks.
 
-    Invariant: ``"".join(self._blocks) == text``, ``len(text) == self._len`` and
+    Invariant: ``"".join(self._blocks) == text``, ``len(text) == self.length`` and
     ``self._nbytes == sum(sys.getsizeof(b) for b in self._blocks)`` (kept as blocks change, so :attr:`nbytes`,
     read on every served request, is O(1)).
     """
 
-    __slots__ = ("_blocks", "_len", "_tail_len", "_nbytes")
+    __slots__ = ("_blocks", "length", "_tail_len", "_nbytes")
 
     def __init__(self, text: str = ""):
         self._blocks: list[str] = [text] if text else []
-        self._len = len(text)
+        #: chars held (``len(self)``, as an attribute: the repair reads it several times per request); read it,
+        #: never assign it
+        self.length = len(text)
         self._tail_len = 0  # chars in the open (not yet frozen) trailing blocks
         self._nbytes = sys.getsizeof(text) if text else 0
 
     def __len__(self) -> int:
-        return self._len
+        return self.length
 
     @property
     def text(self) -> str:
@@ -57,7 +59,7 @@ class TextStore:
     def replace(self, text: str) -> None:
         """Hold ``text`` (no copy)."""
         self._blocks = [text] if text else []
-        self._len = len(text)
+        self.length = len(text)
         self._tail_len = 0
         self._nbytes = sys.getsizeof(text) if text else 0
 
@@ -66,7 +68,7 @@ class TextStore:
         if not delta:
             return
         self._blocks.append(delta)
-        self._len += len(delta)
+        self.length += len(delta)
         self._tail_len += len(delta)
         self._nbytes += sys.getsizeof(delta)
         if self._tail_len >= BLOCK or len(self._blocks) > 256:
@@ -88,9 +90,9 @@ class TextStore:
 
     def tail(self, start: int) -> str:
         """``text[start:]``, in O(len(text) - start + blocks walked)."""
-        if start >= self._len:
+        if start >= self.length:
             return ""
-        need = self._len - start
+        need = self.length - start
         parts: list[str] = []
         got = 0
         for b in reversed(self._blocks):
@@ -105,9 +107,9 @@ class TextStore:
 
     def truncate(self, n: int) -> None:
         """Keep ``text[:n]``."""
-        if n >= self._len:
+        if n >= self.length:
             return
-        drop = self._len - n
+        drop = self.length - n
         while drop > 0 and self._blocks:
             b = self._blocks[-1]
             if len(b) <= drop:
@@ -118,7 +120,7 @@ class TextStore:
                 cut = self._blocks[-1] = b[: len(b) - drop]
                 self._nbytes += sys.getsizeof(cut) - sys.getsizeof(b)
                 drop = 0
-        self._len = n
+        self.length = n
         self._tail_len = min(self._tail_len, n)
 
     def common_prefix(self, other: str) -> int:

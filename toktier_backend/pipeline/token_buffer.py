@@ -63,7 +63,7 @@ class TokenBuffer:
     Invariant: every view returned by :meth:`ids` keeps the values it had when it was returned.
     """
 
-    __slots__ = ("_ids", "_ends", "_n", "_body_nb", "_prefix", "_suffix", "_shown", "_grow_max")
+    __slots__ = ("_ids", "_ends", "_n", "body_nbytes", "_prefix", "_suffix", "_shown", "_grow_max")
 
     def __init__(self, prefix: np.ndarray, suffix: np.ndarray, capacity: int = 16, *, offsets: bool = True,
                  grow_max: int | None = GROW_MAX):
@@ -75,7 +75,9 @@ class TokenBuffer:
         self._ends = np.empty(cap, dtype=np.int32) if offsets else None
         self._ids[: len(prefix)] = prefix
         self._n = 0  # body tokens
-        self._body_nb = 0  # ends[_n - 1] as a Python int (0 when empty): set by splice
+        #: Normalized UTF-8 bytes covered by the body tokens (``ends[n_body - 1]`` as a Python int, 0 when
+        #: empty): set by :meth:`splice`; read it, never assign it.
+        self.body_nbytes = 0
         self._shown = 0  # longest view handed out of the current ids array (slots)
 
     @property
@@ -85,11 +87,6 @@ class TokenBuffer:
     @property
     def n_prefix(self) -> int:
         return len(self._prefix)
-
-    @property
-    def body_nbytes(self) -> int:
-        """Normalized UTF-8 bytes covered by the body tokens."""
-        return self._body_nb
 
     def body_nbytes_before(self, keep: int) -> int:
         """Normalized UTF-8 bytes covered by the first ``keep`` body tokens."""
@@ -185,7 +182,7 @@ class TokenBuffer:
                 ends = self._ends[: len(new_ids)]
                 token_nbytes.take(new_ids, out=ends)
             np.add.accumulate(ends, out=ends)
-            self._body_nb = int(ends[-1]) if len(ends) else 0
+            self.body_nbytes = int(ends[-1]) if len(ends) else 0
         self._n = keep + len(new_ids)
         if s:
             self._ids[p + self._n : p + self._n + s] = self._suffix

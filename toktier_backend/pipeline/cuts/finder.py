@@ -80,6 +80,8 @@ class CutFinder:
 
     def __init__(self, spec: TokenizerSpec):
         self.family, self.reason = detect_family(spec)
+        #: a family's rules are proven for this file (else no cut is ever taken)
+        self.supported: bool = self.family is not None
         self.name = self.family.NAME if self.family is not None else "none"
         self.seams = AddedTokenSeams([a.content for a in spec.added])
         starts = "".join(re.escape(ch) for ch in self.seams.first_chars)
@@ -93,10 +95,6 @@ class CutFinder:
         self._last_re = re.compile(f"(?s:.*)(?:{self._any_re.pattern})(?=(?s:.))") if parts else None
         #: chars of left context the predicates read before a cut.
         self.left_context = max(2, self.seams.max_len)
-
-    @property
-    def supported(self) -> bool:
-        return self.family is not None
 
     def is_stable_cut(self, text: str, c: int, end: int) -> bool:
         """The predicate: family rule or added-token segment start at ``c``, and no added token crossing.
