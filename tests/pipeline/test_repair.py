@@ -85,6 +85,22 @@ def test_the_last_cut_is_found_across_the_search_slices(gap):
     assert buf.ids().tolist() == ref.encode(text + " y").ids
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_an_edit_inside_the_text_re_encodes_the_kept_text_before_its_departure(whole):
+    # departure inside a run of letters: the cut is the last one before it ("ab| cxxx..."), the kept text is
+    # the stored text between the cut and the departure point, and the text after the departure is dropped
+    text = "ab c" + "x" * 50 + " tail after the departure"
+    d = 30
+    store, buf, enc, ref = _state("gpt2", text)
+    assert R.find_cut(enc, store, buf, d) == (2, len(ref.encode("ab").ids), 0, text[2:d])
+    new = text[:d] + "y end" if whole else "y end"
+    info = R.repair(enc, store, buf, new, whole=whole, d=d, force_reference=False, quarantined=(), first=False,
+                    splice=not whole)
+    assert (info.route, info.cut) == ("edit", 2)
+    assert store.text == text[:d] + "y end"
+    assert buf.ids().tolist() == ref.encode(text[:d] + "y end").ids
+
+
 def test_offset_check_rebuilds_from_the_reference():
     text = "the quick brown fox jumps over the lazy dog\n" * 20
     wrong = lambda t, *, route: (np.asarray(reference("qwen3").encode(t + "!").ids, np.int32), "fake")  # noqa: E731
