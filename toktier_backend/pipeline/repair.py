@@ -126,9 +126,7 @@ def find_cut(enc: Encoders, store: TextStore, buf: TokenBuffer, d: int) -> tuple
         if lo > hi:
             break
         base = max(0, lo - finder.left_context)
-        window = store.tail(base)
-        if d < store_len:
-            window = window[: d - base]  # old text == new text before d
+        window = store.tail(base)[: d - base]  # old text == new text before d (the whole tail when d ends it)
         while True:
             c = finder.last_cut(window, lo - base, hi - base, d - base)
             if c is None:
