@@ -317,29 +317,23 @@ class _Memo:
     """What one loop segment kept from a render (records by message position, sorted position indexes).
 
     The lists pass to the next render's memo when that one keeps every position and changes no output
-    (:meth:`_Builder._extend`): records are appended, and a re-rendered record replaces its old one only if
-    its output is the same. So a memo's *text view* (the outputs of its first ``n`` records, ``nonempty``
+    (:func:`_extend`): records are appended, and a re-rendered record replaces its old one only if its
+    output is the same. So a memo's *text view* (the outputs of its first ``n`` records, ``nonempty``
     entries below ``n``, ``cum[:n - start]``) never changes once built: ``ChatRender.text`` of an old render
     stays exact. Only the text methods (``text``, ``length``, ``has_output``, ``_tail_text``, ``_stream``)
     read a memo that is no longer the session's latest, and they bound their reads by ``n``; the other
     indexes (``nsens``, ``la``, ``readers``, ``writers``) are read from the latest memo only and are fixed
-    in place.
+    in place. The record lists and indexes are set by :func:`_finish` (``cum`` by ``ChatSession._cum``, for
+    forward loops).
     """
 
     __slots__ = ("n", "form", "ns_names", "outer", "entry", "recs", "nsens", "la", "la_max", "readers",
                  "writers", "cum", "nonempty", "keep", "shared")
 
-    def __init__(self):
-        self.recs: list = []
-        self.nsens: list[int] = []
-        self.la: list[int] = []
-        self.la_max = 0
-        self.readers: dict = {}
-        self.writers: dict = {}
-        self.cum: list[int] = []  # forward loops: chars of outputs up to and including each position
-        self.nonempty: list[int] = []  # positions whose output is not empty
-        self.keep = 0  # records reused from the previous memo before the first rendered one (forward)
-        self.shared = None  # the previous memo whose lists this one extended (finish), else None
+    def __init__(self, n: int, form: IterForm, ns_names: tuple, outer: dict, entry: dict):
+        self.n, self.form, self.ns_names, self.outer, self.entry = n, form, ns_names, outer, entry
+        #: forward loops: chars of outputs up to and including each position (``()`` until set)
+        self.cum: list[int] | tuple = ()
 
     def old_value(self, key, p):
         """The value ``key`` had when this memo's loop entered position ``p``."""
@@ -417,117 +411,91 @@ def _append_record(p: int, rec: "_Rec", recs: list, nsens: list, nonempty: list,
     return 0
 
 
-class _Builder:
-    """Builds the new memo in iteration order from reused position ranges and freshly rendered records."""
+def _finish(m: _Memo, old: _Memo | None, chunks: list, start: int) -> None:
+    """Set ``m``'s records and position indexes from ``chunks``, in position order: ``(lo, hi, None)``, the
+    records of positions ``[lo, hi)`` reused from ``old``; ``(p, p + 1, rec)``, a record rendered anew.
+    In place on ``old``'s lists where :func:`_extend` can, else built whole."""
+    if _extend(m, old, chunks, start):
+        return
+    recs: list = [None] * start
+    readers: dict = {}
+    writers: dict = {}
+    nsens: list = []
+    la: list = []
+    nonempty: list = []
+    la_max = 0
+    for lo, hi, rec in chunks:
+        if rec is None:
+            recs.extend(old.recs[lo:hi])
+            nsens.extend(old.nsens[bisect_left(old.nsens, lo):bisect_left(old.nsens, hi)])
+            nonempty.extend(old.nonempty[bisect_left(old.nonempty, lo):bisect_left(old.nonempty, hi)])
+            la.extend(old.la[bisect_left(old.la, lo):bisect_left(old.la, hi)])
+            la_max = max(la_max, old.la_max)
+            for src, dst in ((old.readers, readers), (old.writers, writers)):
+                for key, lst in src.items():
+                    part = lst[bisect_left(lst, lo):bisect_left(lst, hi)]
+                    if part:
+                        dst.setdefault(key, []).extend(part)
+        else:
+            la_max = max(la_max, _append_record(lo, rec, recs, nsens, nonempty, la, readers, writers))
+    assert len(recs) == m.n, (len(recs), m.n)
+    m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
+    m.nonempty = nonempty
+    first = chunks[0] if chunks else None
+    m.keep = first[1] - start if (not m.form.reverse and first and first[2] is None and first[0] == start) else 0
+    m.shared = None
 
-    def __init__(self, memo: _Memo, reverse: bool):
-        self.m = memo
-        self.reverse = reverse
-        self.chunks: list = []  # (kind, ...) in iteration order
 
-    def reuse(self, old: _Memo, lo: int, hi: int):
-        """Positions ``[lo, hi)`` of ``old``."""
-        if lo < hi:
-            self.chunks.append(("old", old, lo, hi))
-
-    def add(self, p: int, rec: _Rec):
-        self.chunks.append(("new", p, rec))
-
-    def finish(self, n: int, start: int):
-        m = self.m
-        chunks = self.chunks[::-1] if self.reverse else self.chunks
-        if self._extend(chunks, n, start):
-            return
-        recs: list = [None] * start
-        readers: dict = {}
-        writers: dict = {}
-        nsens: list = []
-        la: list = []
-        nonempty: list = []
-        la_max = 0
-
-        def ext(d, key, vals):
-            if vals:
-                d.setdefault(key, []).extend(vals)
-
-        for c in chunks:
-            if c[0] == "old":
-                _, old, lo, hi = c
-                recs.extend(old.recs[lo:hi])
-                nsens.extend(old.nsens[bisect_left(old.nsens, lo):bisect_left(old.nsens, hi)])
-                nonempty.extend(old.nonempty[bisect_left(old.nonempty, lo):bisect_left(old.nonempty, hi)])
-                la.extend(old.la[bisect_left(old.la, lo):bisect_left(old.la, hi)])
-                la_max = max(la_max, old.la_max)
-                for src, dst in ((old.readers, readers), (old.writers, writers)):
-                    for key, lst in src.items():
-                        ext(dst, key, lst[bisect_left(lst, lo):bisect_left(lst, hi)])
-            else:
-                _, p, rec = c
-                la_max = max(la_max, _append_record(p, rec, recs, nsens, nonempty, la, readers, writers))
-        assert len(recs) == n, (len(recs), n)
-        m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
-        m.nonempty = nonempty
-        first = self.chunks[0] if self.chunks else None
-        m.keep = first[3] - start if (not self.reverse and first and first[0] == "old" and first[2] == start) else 0
-        m.shared = None
-
-    def _extend(self, chunks, n: int, start: int) -> bool:
-        """The common turn, in place: the old records are reused or re-rendered with the same output, and
-        the positions past the old end are new. Then the old memo's lists become the new memo's:
-        re-rendered records replace theirs (same output, so every older memo's text view is unchanged),
-        the position indexes that only the latest memo reads are fixed at those positions, new records are
-        appended: O(changed records), not O(messages). False (nothing done) for any other shape (a record
-        whose output changed, a shorter list, lists extended already)."""
-        old = next((c[1] for c in chunks if c[0] == "old"), None)
-        if old is None or n < old.n or len(old.recs) != old.n:
+def _extend(m: _Memo, old: _Memo | None, chunks: list, start: int) -> bool:
+    """The common turn, in place: the old records are reused or re-rendered with the same output, and
+    the positions past the old end are new. Then the old memo's lists become the new memo's:
+    re-rendered records replace theirs (same output, so every older memo's text view is unchanged),
+    the position indexes that only the latest memo reads are fixed at those positions, new records are
+    appended: O(changed records), not O(messages). False (nothing done) for any other shape (no record
+    reused, a record whose output changed, a shorter list, lists extended already)."""
+    n = m.n
+    if old is None or n < old.n or len(old.recs) != old.n:
+        return False
+    recs = old.recs
+    old_n = old.n
+    fresh = [c for c in chunks if c[2] is not None]
+    if len(fresh) == len(chunks):  # nothing reused
+        return False
+    for p, _, rec in fresh:
+        if p < old_n and rec.out != recs[p].out:
             return False
-        replaced, added = [], []
-        first_new = n
-        for c in chunks:
-            if c[0] == "old":
-                if c[1] is not old:
-                    return False
-                continue
-            _, p, rec = c
-            if p < old.n:
-                if rec.out != old.recs[p].out:
-                    return False
-                replaced.append((p, rec))
-            else:
-                added.append((p, rec))
-            first_new = min(first_new, p)
-        m = self.m
-        recs, nsens, nonempty, la = old.recs, old.nsens, old.nonempty, old.la
-        readers, writers = dict(old.readers), dict(old.writers)
-        la_max = old.la_max
-        for p, rec in replaced:
-            was = recs[p]
-            recs[p] = rec
-            if was.nsens != rec.nsens:
-                _move(nsens, p, was.nsens, rec.nsens)
-            if (was.maxread > p) != (rec.maxread > p):
-                _move(la, p, was.maxread > p, rec.maxread > p)
-            read_before = was.ns_reads.keys() | was.cmps.keys()
-            read_after = rec.ns_reads.keys() | rec.cmps.keys()
-            for d, before, after in ((readers, read_before, read_after),
-                                     (writers, was.writes.keys(), rec.writes.keys())):
-                if before == after:  # (a key in both stays indexed at p)
-                    continue
-                for key in before ^ after:
-                    lst = d.get(key)
-                    if lst is None:
-                        d[key] = lst = []
-                    _move(lst, p, key in before, key in after)
-            if rec.maxread > p:
-                la_max = max(la_max, rec.maxread - p)
-        for p, rec in added:
+    nsens, nonempty, la = old.nsens, old.nonempty, old.la
+    readers, writers = dict(old.readers), dict(old.writers)
+    la_max = old.la_max
+    for p, _, rec in fresh:
+        if p >= old_n:
             la_max = max(la_max, _append_record(p, rec, recs, nsens, nonempty, la, readers, writers))
-        assert len(recs) == n, (len(recs), n)
-        m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
-        m.nonempty = nonempty
-        m.keep = first_new - start if not self.reverse else 0
-        m.shared = old
-        return True
+            continue
+        was = recs[p]
+        recs[p] = rec
+        if was.nsens != rec.nsens:
+            _move(nsens, p, was.nsens, rec.nsens)
+        if (was.maxread > p) != (rec.maxread > p):
+            _move(la, p, was.maxread > p, rec.maxread > p)
+        read_before = was.ns_reads.keys() | was.cmps.keys()
+        read_after = rec.ns_reads.keys() | rec.cmps.keys()
+        for d, before, after in ((readers, read_before, read_after),
+                                 (writers, was.writes.keys(), rec.writes.keys())):
+            if before == after:  # (a key in both stays indexed at p)
+                continue
+            for key in before ^ after:
+                lst = d.get(key)
+                if lst is None:
+                    d[key] = lst = []
+                _move(lst, p, key in before, key in after)
+        if rec.maxread > p:
+            la_max = max(la_max, rec.maxread - p)
+    assert len(recs) == n, (len(recs), n)
+    m.recs, m.readers, m.writers, m.nsens, m.la, m.la_max = recs, readers, writers, nsens, la, la_max
+    m.nonempty = nonempty
+    m.keep = (fresh[0][0] if fresh else n) - start if not m.form.reverse else 0
+    m.shared = old
+    return True
 
 
 def _move(lst: list, p: int, had: bool, has: bool) -> None:
@@ -1103,16 +1071,14 @@ class ChatSession:
         for name in ns_names:
             for a, v in object.__getattribute__(variables[name], "_Namespace__attrs").items():
                 state[(name, a)] = v
-        memo = _Memo()
-        memo.n, memo.form, memo.ns_names, memo.outer, memo.entry = n, form, tuple(ns_names), outer, dict(state)
+        memo = _Memo(n, form, tuple(ns_names), outer, dict(state))
         if old is not None and not (old.form == form and old.ns_names == memo.ns_names
-                                    and old.outer.keys() == outer.keys()
-                                    and all(same(old.outer[x], outer[x]) for x in outer)):
+                                    and old.outer.keys() == outer.keys() and _all_same(old.outer, outer)):
             old = None
         if old is not None and form.start > n:
             old = None
         start = 0 if form.reverse else form.start
-        build = _Builder(memo, form.reverse)
+        chunks: list = []  # (lo, hi, None): positions [lo, hi) reused from old; (p, p + 1, rec): rendered anew
         step = -1 if form.reverse else 1
         p = n - 1 if form.reverse else start
         end = -1 if form.reverse else n
@@ -1130,7 +1096,7 @@ class ChatSession:
                 q = self._first_invalid(old, p, state, n, k, limit, bad_la, form, edge)
                 if q != p:
                     lo, hi = (q + 1, p + 1) if form.reverse else (p, q)
-                    build.reuse(old, lo, hi)
+                    chunks.append((lo, hi, None))
                     reused += hi - lo
                     for key, w in old.writers.items():
                         if form.reverse:
@@ -1155,7 +1121,7 @@ class ChatSession:
                         state.update(rec.writes)
                     if not nsens_attrs.isdisjoint(rec.loop_reads):
                         rec.nsens = True
-                    build.add(p, rec)
+                    chunks.append((p, p + 1, rec))
                     rendered += 1
                     p += step
                     continue
@@ -1172,10 +1138,12 @@ class ChatSession:
             rec.out = "".join(body.root_render_func(ctx))
             if not nsens_attrs.isdisjoint(rec.loop_reads):
                 rec.nsens = True
-            build.add(p, rec)
+            chunks.append((p, p + 1, rec))
             rendered += 1
             p += step
-        build.finish(n, start)
+        if form.reverse:
+            chunks.reverse()
+        _finish(memo, old, chunks, start)
         entry = memo.entry
         added = [key for key in state if key not in entry]
         if added:
@@ -1188,7 +1156,9 @@ class ChatSession:
         for name in ns_names:
             attrs = object.__getattribute__(variables[name], "_Namespace__attrs")
             attrs.clear()
-            attrs.update({a: v for (nm, a), v in state.items() if nm == name})
+            for (nm, a), v in state.items():
+                if nm == name:
+                    attrs[a] = v
         if not form.reverse:
             self._cum(memo, old, start)
         self.stats["iterations_reused"] += reused
@@ -1265,13 +1235,14 @@ class ChatSession:
         for x in bad_la:
             if lo <= x < hi:
                 cands.append(x)
-        for key in state.keys() | old.entry.keys() | old.writers.keys():
+        # only a key some kept record read can make one invalid (a key that neither the state nor the kept
+        # render has is MISSING on both sides)
+        for key, rd in old.readers.items():
+            if not rd:
+                continue
             v = state.get(key, MISSING)
             was = old.old_value(key, p)
             if v is was or same(v, was):
-                continue
-            rd = old.readers.get(key)
-            if not rd:
                 continue
             wr = old.writers.get(key)
             w = _first(wr, p, lo, hi, rev) if wr else None
@@ -1301,7 +1272,7 @@ class ChatSession:
         recs = memo.recs
         keep = memo.keep if old is not None else 0
         if memo.shared is not None and memo.shared is old and len(old.cum) == old.n - start:
-            # shared (_Builder._extend): outputs below old.n are unchanged, extended in place; old keeps
+            # shared (:func:`_extend`): outputs below old.n are unchanged, extended in place; old keeps
             # its view (old.n)
             cum = old.cum
             keep = old.n - start
@@ -1342,7 +1313,7 @@ class ChatSession:
                     break
                 j = new.keep
                 if new.shared is old:
-                    # extended in place (_Builder._extend): every record below old.n has its old output, so
+                    # extended in place (:func:`_extend`): every record below old.n has its old output, so
                     # the old piece's text is the new piece's text up to there; equal lengths: the records
                     # past old.n (if any) print nothing, so the texts are equal
                     if new.length() == old.length():
