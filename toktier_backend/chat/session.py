@@ -365,7 +365,10 @@ class _Memo:
 
     def length(self) -> int:
         if self.form.reverse:
-            return sum(len(self.recs[p].out) for p in self._nonempty())
+            recs, total = self.recs, 0
+            for p in self._nonempty():
+                total += len(recs[p].out)
+            return total
         k = self.n - self.form.start
         return self.cum[k - 1] if k > 0 else 0
 
@@ -893,9 +896,15 @@ class ChatSession:
         if t is dict:
             if len(v) > 1 and order_observed(self.plan.order_paths, path):
                 return True
-            return any(type(x) is not str and self._needs_strict(x, path + (k,)) for k, x in v.items())
+            for k, x in v.items():
+                if type(x) is not str and self._needs_strict(x, path + (k,)):
+                    return True
+            return False
         if t is list or t is tuple:
-            return any(type(x) is not str and self._needs_strict(x, path + ("*",)) for x in v)
+            for x in v:
+                if type(x) is not str and self._needs_strict(x, path + ("*",)):
+                    return True
+            return False
         return True
 
     def _strict_prefix(self, messages, k, lo=0):
@@ -965,7 +974,7 @@ class ChatSession:
         old_memos = self._memos
         pieces: list = []
         memos: list = []
-        built = {id(v) for v in variables.values()}  # plain() copies, special tokens (str), bools: plain values
+        built = set(map(id, variables.values()))  # plain() copies, special tokens (str), bools: plain values
         for si, seg in enumerate(self.plan.segments):
             if isinstance(seg, PlainSegment):
                 if seg.reusable:
@@ -1173,7 +1182,7 @@ class ChatSession:
         as :meth:`_fast_body`."""
         if not self.compiled_bodies:
             return None
-        key = tuple(name in variables for name in seg.free)
+        key = tuple(map(variables.__contains__, seg.free))
         try:
             return seg.fast[key]
         except KeyError:
@@ -1322,7 +1331,7 @@ class ChatSession:
                     skip = max(0, old.n - new.form.start)
                     base += old.length()
                     rest = old_pieces[i + 1:]
-                    if all(type(x) is str for x in rest):
+                    if _all_str(rest):
                         # the old text after the shared records is these strings (the old piece has no record
                         # past old.n): join both rests whole, the new one is the delta's source anyway
                         old_rest = "".join(rest)
@@ -1356,6 +1365,13 @@ def _all_same(old: dict, new: dict) -> bool:
     for x, v in new.items():
         w = old[x]
         if w is not v and not same(w, v):
+            return False
+    return True
+
+
+def _all_str(values) -> bool:
+    for v in values:
+        if type(v) is not str:
             return False
     return True
 

@@ -446,8 +446,11 @@ class ChatRenderer:
 
 def check_request(messages: Any, add_generation_prompt: bool, continue_final_message: Any) -> None:
     """Raise :class:`InvalidRequest` for a malformed ``messages`` list or contradictory flags."""
-    if not isinstance(messages, list) or not all(t is dict or issubclass(t, Mapping) for t in set(map(type, messages))):
+    if not isinstance(messages, list):
         raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
+    for t in set(map(type, messages)):
+        if t is not dict and not issubclass(t, Mapping):
+            raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
     if continue_final_message and add_generation_prompt:
         raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be set")
 
@@ -522,7 +525,10 @@ def finish_continue(text: str, final: str | None) -> str:
 
 
 def _alias_reasoning(message: dict) -> dict:
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is None:
+    for k in _REASONING_FIELDS:
+        reasoning = message.get(k)
+        if reasoning is not None:
+            break
+    else:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}

@@ -399,10 +399,10 @@ def parse_messages(raw: Any, what: str = "messages") -> list:
     if not isinstance(messages, list):
         raise InvalidRequest(f"{what} must be a JSON array of message objects, got a JSON "
                              f"{type(messages).__name__}.")
-    bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict)), None)
-    if bad is not None:
-        raise InvalidRequest(f"{what} must be a JSON array of message objects; element {bad} is a "
-                             f"{type(messages[bad]).__name__}.")
+    for bad, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"{what} must be a JSON array of message objects; element {bad} is a "
+                                 f"{type(m).__name__}.")
     return messages
 
 
