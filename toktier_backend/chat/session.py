@@ -1094,10 +1094,6 @@ class ChatSession:
         limit = min(k, n, old.n) if old is not None else 0  # positions < limit have a record for the same message
         bad_la = self._bad_lookahead(old, k, limit) if old is not None else []
         nsens_attrs, edge = _N_SENSITIVE[form.reverse]
-        body, target = seg.body, seg.target
-        ns_class, undefined = self._ns_class, self._undefined
-        compare = self._compare
-        msgs_view = seg.uses_messages
         fast = self._fast_body(seg, form, memo.ns_names, outer)
         reused = rendered = bailed = 0
         while p != end:
@@ -1107,12 +1103,14 @@ class ChatSession:
                     lo, hi = (q + 1, p + 1) if form.reverse else (p, q)
                     chunks.append((lo, hi, None))
                     reused += hi - lo
-                    for key, w in old.writers.items():
-                        if form.reverse:
+                    # the state after the block: each key's last write inside it, in loop order
+                    if form.reverse:
+                        for key, w in old.writers.items():
                             i = bisect_right(w, q)
                             if i < len(w) and w[i] <= p:
                                 state[key] = old.recs[w[i]].writes[key]
-                        else:
+                    else:
+                        for key, w in old.writers.items():
                             i = bisect_left(w, q)
                             if i and w[i - 1] >= p:
                                 state[key] = old.recs[w[i - 1]].writes[key]
@@ -1134,17 +1132,7 @@ class ChatSession:
                     rendered += 1
                     p += step
                     continue
-            rec = _Rec(elem, p)
-            ctx_vars = dict(outer)
-            ctx_vars[target] = elem
-            ctx_vars["loop"] = _RecLoop(rec, p, n, form, chat, undefined)
-            if msgs_view:
-                ctx_vars["messages"] = _RecMessages(chat, rec)
-            for name in ns_names:
-                ctx_vars[name] = ns_class(name, state, rec)
-            ctx_vars[COMPARE] = compare
-            ctx = body.new_context(ctx_vars)
-            rec.out = "".join(body.root_render_func(ctx))
+            rec = self._jinja_iteration(seg, elem, p, n, form, chat, state, outer, ns_names)
             if not nsens_attrs.isdisjoint(rec.loop_reads):
                 rec.nsens = True
             chunks.append((p, p + 1, rec))
@@ -1154,11 +1142,11 @@ class ChatSession:
             chunks.reverse()
         _finish(memo, old, chunks, start)
         entry = memo.entry
-        added = [key for key in state if key not in entry]
-        if added:
+        if len(state) != len(entry):  # (the state starts as a copy of the entry and only gains keys)
             # a namespace's attributes are in first-write order (jinja2's Namespace: a dict): the keys it had
             # before the loop, then each new one at the first iteration (in loop order) whose record writes it;
             # reused blocks replay writes in the old render's order, so the order is taken from the index
+            added = [key for key in state if key not in entry]
             w = memo.writers
             added.sort(key=(lambda key: -w[key][-1]) if form.reverse else (lambda key: w[key][0]))
             state = {key: state[key] for key in [*(key for key in state if key in entry), *added]}
@@ -1175,6 +1163,23 @@ class ChatSession:
         if bailed:
             self.stats["iterations_compiled_bailed"] += bailed
         return memo
+
+    def _jinja_iteration(self, seg: LoopSegment, elem, p: int, n: int, form: IterForm, chat, state: dict,
+                         outer: dict, ns_names: list) -> _Rec:
+        """One iteration rendered by the jinja2 body, its reads recorded through the stand-ins (``_RecLoop``,
+        ``_RecMessages``, the recording namespace, ``_Compare``); writes go to ``state`` as they happen."""
+        rec = _Rec(elem, p)
+        ctx_vars = dict(outer)
+        ctx_vars[seg.target] = elem
+        ctx_vars["loop"] = _RecLoop(rec, p, n, form, chat, self._undefined)
+        if seg.uses_messages:
+            ctx_vars["messages"] = _RecMessages(chat, rec)
+        for name in ns_names:
+            ctx_vars[name] = self._ns_class(name, state, rec)
+        ctx_vars[COMPARE] = self._compare
+        body = seg.body
+        rec.out = "".join(body.root_render_func(body.new_context(ctx_vars)))
+        return rec
 
     def _fast_plain(self, seg: PlainSegment, variables: dict):
         """The compiled twin of a plain segment (:func:`.bodycode.compile_plain`) for the free names the
