@@ -1262,18 +1262,17 @@ class ChatSession:
             w = _first(wr, p, lo, hi, rev) if wr else None
             # readers from p up to (and at) the first writer see the current value: the first whose
             # recorded reads differ under it is invalid (O6: comparisons may still hold)
-            value = state.get(key, MISSING)
             if rev:
                 i = bisect_right(rd, p) - 1
                 while i >= 0 and rd[i] >= lo and (w is None or rd[i] >= w):
-                    if not _reader_ok(old.recs[rd[i]], key, value):
+                    if not _reader_ok(old.recs[rd[i]], key, v):
                         cands.append(rd[i])
                         break
                     i -= 1
             else:
                 i = bisect_left(rd, p)
                 while i < len(rd) and rd[i] < hi and (w is None or rd[i] <= w):
-                    if not _reader_ok(old.recs[rd[i]], key, value):
+                    if not _reader_ok(old.recs[rd[i]], key, v):
                         cands.append(rd[i])
                         break
                     i += 1
@@ -1375,6 +1374,7 @@ def _all_same(old: dict, new: dict) -> bool:
 
 
 def _all_str(values) -> bool:
+    """Is every value an exact ``str``?"""
     for v in values:
         if type(v) is not str:
             return False

@@ -446,11 +446,8 @@ class ChatRenderer:
 
 def check_request(messages: Any, add_generation_prompt: bool, continue_final_message: Any) -> None:
     """Raise :class:`InvalidRequest` for a malformed ``messages`` list or contradictory flags."""
-    if not isinstance(messages, list):
+    if not isinstance(messages, list) or not all(map(_mapping_type, set(map(type, messages)))):
         raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
-    for t in set(map(type, messages)):
-        if t is not dict and not issubclass(t, Mapping):
-            raise InvalidRequest("messages must be a list of objects with 'role' and 'content'")
     if continue_final_message and add_generation_prompt:
         raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be set")
 
@@ -522,6 +519,10 @@ def finish_continue(text: str, final: str | None) -> str:
         raise InvalidRequest("continue_final_message: the template dropped part of the final message")
     at = text.rindex(tag)
     return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
+def _mapping_type(t: type) -> bool:
+    return t is dict or issubclass(t, Mapping)
 
 
 def _alias_reasoning(message: dict) -> dict:
