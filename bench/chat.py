@@ -41,6 +41,11 @@ Cache state. Between two timed turns the run checks the reply (the whole text ag
 ids against gigatoken's): tens of MB at 3M chars, less at 100K, so the bigger sizes start their turns with
 colder caches. ``--sweep-mb N`` also reads an N MB buffer after each check (and after each anchor sample),
 so that every turn at every size starts from the same cold state (32 MB is above this machine's caches).
+``--neighbour`` runs, untimed, one turn of another session of the same template (the same conversation with
+each message's ``content`` case-swapped, sharing the timed session's template analysis and
+tokenizer, as a server's sessions of one model do) right before each timed ``ours_delta`` turn, and the
+floor's parts on that session's new messages right before each timed floor: a server's other traffic between
+one agent's calls, warming the shared code and tables but not this session's data. Its replies are checked too.
 
 Background indexing. A session's first text is indexed for prefix reuse by a background thread
 (``pipeline/prefix_index.py``); the timed turns start once it is done (:func:`_settle`), as an agent's next
@@ -56,6 +61,7 @@ Usage:
     python bench/chat.py
     python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --samples 24
     python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --sweep-mb 32
+    python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --neighbour
 """
 
 from __future__ import annotations
@@ -199,6 +205,54 @@ def _same(render, ids, text: str, want: np.ndarray) -> bool:
     return render.text == text and np.array_equal(np.asarray(ids, dtype=np.int64), want)
 
 
+class Neighbour:
+    """Another session of the same template (``--neighbour``, module docstring): the same conversation with
+    every message's ``content`` case-swapped (the same structure and lengths, other text and tokens). One of
+    its turns runs, untimed, right before each timed ``ours_delta`` turn, and the floor's parts on its new
+    messages right before each timed floor. Its replies are checked with the timed turn's (text against the
+    jinja2 render, ids against gigatoken's)."""
+
+    def __init__(self, chat, tok, conv, start, ends, options, ref, giga):
+        from toktier_backend.chat.session import ChatSession
+
+        def swap(m: dict) -> dict:
+            m = dict(m)
+            if isinstance(m.get("content"), str):
+                m["content"] = m["content"].swapcase()
+            return m
+
+        self.conv = [swap(m) for m in conv]
+        self.ends, self.options, self.prev_end = ends, options, start - 2
+        self.texts = [ref.render(self.conv[:e], **options) for e in ends]
+        self.want = [np.asarray(giga.encode(t), dtype=np.int64) for t in self.texts]
+        # as a server's sessions of one template: the timed session's analysis and tokenizer (its own full
+        # renderer, which only a first render or a fallback runs)
+        self.chat = ChatSession(chat.reference.source, chat.reference.special_tokens, plan=chat.plan)
+        self.tok = tok.tokenizer.session(add_special_tokens=False)
+        self.tok.update(self.chat.render(self.conv[:start - 2], **options).text)
+        _settle(self.tok)
+        self.raw = self.render = self.ids = None
+
+    def turn(self, i: int) -> None:
+        from toktier_backend.chat.wire import parse_messages
+
+        self.raw = _dumps(self.conv[self.prev_end:self.ends[i]])
+        self.prev_end = self.ends[i]
+        r = self.chat.render_more(parse_messages(self.raw), **self.options)
+        delta = r.delta
+        ids = self.tok.append(delta) if r.extends_previous else self.tok.splice(r.departure, delta)
+        self.render, self.ids = r, np.array(ids)  # (a copy: the reply's view is dropped, as a face does)
+
+    def check(self, i: int) -> bool:
+        return _same(self.render, self.ids, self.texts[i], self.want[i])
+
+    def floor_turn(self, mini, giga) -> None:
+        import orjson
+
+        mini.render(orjson.loads(self.raw), add_generation_prompt=True)
+        giga.encode(self.render.delta)
+
+
 def run(name: str, size: int, args, shared: Path) -> dict:
     import gigatoken
     import orjson
@@ -315,20 +369,25 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     ends = [start + 2 * (s + 1) for s in range(len(reqs))]
     prev_end = len(first)
     floor_ok = True
+    nb = Neighbour(chat_d, tok_d, conv, start, ends, options, ref, giga) if args.neighbour else None
     gc.collect()
     for i, end in enumerate(ends):
         raw = _dumps(conv[prev_end:end])  # untimed: what the client sends (the 2 new messages)
         prev_end = end
+        if nb is not None:
+            nb.turn(i)
         t0 = time.perf_counter_ns()
         r = chat_d.render_more(parse_messages(raw), **options)
         delta = r.delta
         ids = tok_d.append(delta) if r.extends_previous else tok_d.splice(r.departure, delta)
         times["ours_delta"].append((time.perf_counter_ns() - t0) / 1e6)
-        if not _same(r, ids, texts[i], want_ids[i]):
+        if not _same(r, ids, texts[i], want_ids[i]) or (nb is not None and not nb.check(i)):
             exact["ours_delta"] = False
         cool()
         if floor_ok:  # the floor of the same turn, after the same check traffic (module docstring)
             try:
+                if nb is not None:
+                    nb.floor_turn(mini, giga)
                 t0 = time.perf_counter_ns()
                 mini.render(orjson.loads(raw), add_generation_prompt=True)
                 giga.encode(delta)
@@ -432,6 +491,8 @@ def main(argv=None) -> int:
     p.add_argument("--reuse-objects", action="store_true", help="pass the previous list plus new dicts")
     p.add_argument("--sweep-mb", type=int, default=0,
                    help="read an N MB buffer after each sample's check: the same cold start at every size")
+    p.add_argument("--neighbour", action="store_true",
+                   help="one turn of another session of the template before each ours_delta turn and floor")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
     p.add_argument("--shared", default=None)
     args = p.parse_args(argv)
@@ -444,7 +505,8 @@ def main(argv=None) -> int:
             print(f"[{name} {size}] ours routes {rows[-1]['ours_routes']}", file=sys.stderr, flush=True)
     print(f"# chat turns, ms p50/p90; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{platform.python_version()}, {'reused objects' if args.reuse_objects else 'messages from JSON'}, "
-          f"{f'{args.sweep_mb} MB swept after each check' if args.sweep_mb else 'no sweep'}")
+          f"{f'{args.sweep_mb} MB swept after each check' if args.sweep_mb else 'no sweep'}"
+          f"{', a neighbour session before each ours_delta turn and floor' if args.neighbour else ''}")
     print(table(rows))
     if args.reuse_objects:
         print("ours = render + tokenize from the caller's objects (trust_identity); no bytes. Stage p50 (ms):")
@@ -457,7 +519,8 @@ def main(argv=None) -> int:
               + f"  append share {r['ours_append_share']:.2f}  body KB {r.get('body_bytes', 0) // 1000}")
     Path(args.out, "chat.json").write_text(json.dumps({"rows": rows, "revision": A.core_revision(),
                                                        "reuse_objects": args.reuse_objects,
-                                                       "sweep_mb": args.sweep_mb}, indent=1))
+                                                       "sweep_mb": args.sweep_mb,
+                                                       "neighbour": args.neighbour}, indent=1))
     plot(rows, Path(args.out, "chat.png"))
     print(f"wrote {args.out}/chat.json, chat.png")
     return 0
