@@ -75,6 +75,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anchors as A  # noqa: E402
@@ -82,6 +83,7 @@ import anchors as A  # noqa: E402
 A.ensure_repo_on_path()
 
 from tests.chat import corpus as C  # noqa: E402
+from toktier_backend.chat.wire import parse_messages  # noqa: E402
 
 SYSTEMS = ("ours", "ours_delta", "transformers", "jinja2+gigatoken", "minijinja+gigatoken")
 FLOOR = "floor"  # a lower bound of the turn's parts, not a system (module docstring)
@@ -130,13 +132,14 @@ def conversation(name: str, size: int, samples: int) -> tuple[list[dict], int]:
     # each timed request ends at an observation (the model answers it)
     while conv[start - 1]["role"] == "assistant":
         start += 1
+    if len(conv) - start < 2 * samples:
+        raise SystemExit(f"{name}: the trajectories hold {len(conv) - start} messages for the timed turns, "
+                         f"{2 * samples} needed: --samples {(len(conv) - start) // 2} at most")
     return conv, start
 
 
 def body(name: str, msgs: list[dict]) -> bytes:
     """The request body an OpenAI-style client sends."""
-    import orjson
-
     value = {"model": name, "messages": msgs}
     if name in C.TOOL_TEMPLATES:
         value["tools"] = TOOLS
@@ -155,8 +158,6 @@ class Decoded:
         return len(self.bodies)
 
     def __getitem__(self, i: int) -> list[dict]:
-        import orjson
-
         return orjson.loads(self.bodies[i])["messages"]
 
     def __iter__(self):
@@ -180,8 +181,6 @@ def requests(name, conv, start, samples, reuse: bool):
 
 
 def _dumps(value) -> bytes:
-    import orjson
-
     return orjson.dumps(value)
 
 
@@ -203,6 +202,21 @@ def _same(render, ids, text: str, want: np.ndarray) -> bool:
     """The reply check between timed turns: the whole text and the ids (its memory traffic is part of the
     cache state the next turn starts from)."""
     return render.text == text and np.array_equal(np.asarray(ids, dtype=np.int64), want)
+
+
+def delta_turn(chat, tok, raw: bytes, options: dict):
+    """One ``ours_delta`` turn: ``raw`` (a JSON array of the new messages) parsed, rendered on top of the
+    session ``chat`` and tokenized by the tokenizer session ``tok``; (the render, the ids)."""
+    r = chat.render_more(parse_messages(raw), **options)
+    delta = r.delta
+    return r, (tok.append(delta) if r.extends_previous else tok.splice(r.departure, delta))
+
+
+def floor_turn(mini, giga, raw: bytes, delta: str) -> None:
+    """The floor's parts of one turn (module docstring): the new messages alone rendered by minijinja, the
+    rendered delta encoded by gigatoken. Raises what the template raises on those messages alone."""
+    mini.render(orjson.loads(raw), add_generation_prompt=True)
+    giga.encode(delta)
 
 
 class Neighbour:
@@ -234,28 +248,20 @@ class Neighbour:
         self.raw = self.render = self.ids = None
 
     def turn(self, i: int) -> None:
-        from toktier_backend.chat.wire import parse_messages
-
         self.raw = _dumps(self.conv[self.prev_end:self.ends[i]])
         self.prev_end = self.ends[i]
-        r = self.chat.render_more(parse_messages(self.raw), **self.options)
-        delta = r.delta
-        ids = self.tok.append(delta) if r.extends_previous else self.tok.splice(r.departure, delta)
+        r, ids = delta_turn(self.chat, self.tok, self.raw, self.options)
         self.render, self.ids = r, np.array(ids)  # (a copy: the reply's view is dropped, as a face does)
 
     def check(self, i: int) -> bool:
         return _same(self.render, self.ids, self.texts[i], self.want[i])
 
     def floor_turn(self, mini, giga) -> None:
-        import orjson
-
-        mini.render(orjson.loads(self.raw), add_generation_prompt=True)
-        giga.encode(self.render.delta)
+        floor_turn(mini, giga, self.raw, self.render.delta)
 
 
 def run(name: str, size: int, args, shared: Path) -> dict:
     import gigatoken
-    import orjson
     from tokenizers import Tokenizer
 
     from toktier_backend import load_tokenizer
@@ -359,8 +365,6 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     stats["ours_stages_p50"] = {k: A.percentile(v, 50) for k, v in stages.items() if v}
 
     # ours_delta: a second warm session; each request's bytes are its 2 new messages only
-    from toktier_backend.chat.wire import parse_messages
-
     chat_d = ChatSession(src, specials)
     tok_d = load_tokenizer(str(tok_path)).session(add_special_tokens=False)
     r = chat_d.render(first, **options)
@@ -377,9 +381,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
         if nb is not None:
             nb.turn(i)
         t0 = time.perf_counter_ns()
-        r = chat_d.render_more(parse_messages(raw), **options)
-        delta = r.delta
-        ids = tok_d.append(delta) if r.extends_previous else tok_d.splice(r.departure, delta)
+        r, ids = delta_turn(chat_d, tok_d, raw, options)
         times["ours_delta"].append((time.perf_counter_ns() - t0) / 1e6)
         if not _same(r, ids, texts[i], want_ids[i]) or (nb is not None and not nb.check(i)):
             exact["ours_delta"] = False
@@ -389,8 +391,7 @@ def run(name: str, size: int, args, shared: Path) -> dict:
                 if nb is not None:
                     nb.floor_turn(mini, giga)
                 t0 = time.perf_counter_ns()
-                mini.render(orjson.loads(raw), add_generation_prompt=True)
-                giga.encode(delta)
+                floor_turn(mini, giga, raw, r.delta)
                 times[FLOOR].append((time.perf_counter_ns() - t0) / 1e6)
             except Exception:  # noqa: BLE001 - the template refuses the messages alone: no floor
                 floor_ok = False

@@ -42,7 +42,6 @@ def count(name: str, size: int, warm: int, turns: int, shared: Path) -> dict:
     from toktier_backend import load_tokenizer
     from toktier_backend.chat.session import ChatSession
     from toktier_backend.chat.template import ChatRenderer, special_tokens
-    from toktier_backend.chat.wire import parse_messages
 
     src, cfg = C.template_source(name)
     specials = special_tokens(cfg)
@@ -76,9 +75,7 @@ def count(name: str, size: int, warm: int, turns: int, shared: Path) -> dict:
         counted = s >= warm
         if counted:
             sys.settrace(trace)
-        r = chat.render_more(parse_messages(raw), **options)
-        delta = r.delta
-        ids = tok.append(delta) if r.extends_previous else tok.splice(r.departure, delta)
+        r, ids = B.delta_turn(chat, tok, raw, options)
         sys.settrace(None)
         if counted:
             text = ref.render(conv[:end], **options)
