@@ -35,27 +35,57 @@ import chat as B  # noqa: E402
 from tests.chat import corpus as C  # noqa: E402
 
 
+class Turns:
+    """The ``ours_delta`` turns of ``bench/chat.py`` for one template and size, ready to run: the conversation
+    (``conv``; the timed messages from ``start`` on, two per turn), the render ``options``, the warm session
+    (``chat``: the conversation before the first turn rendered, untimed) and its tokenizer session (``tok``,
+    its first text indexed), the jinja2 reference (``ref``) and HF ``tokenizers`` (``hf``) for the checks.
+    Shared by this script and ``bench/chat_cost.py``."""
+
+    def __init__(self, name: str, size: int, turns: int, shared: Path):
+        from tokenizers import Tokenizer
+
+        from toktier_backend import load_tokenizer
+        from toktier_backend.chat.session import ChatSession
+        from toktier_backend.chat.template import ChatRenderer, special_tokens
+
+        self.name, self.size = name, size
+        self.src, cfg = C.template_source(name)
+        self.specials = special_tokens(cfg)
+        self.options = {"add_generation_prompt": True}
+        if name in C.TOOL_TEMPLATES:
+            self.options["tools"] = B.TOOLS
+        self.conv, self.start = B.conversation(name, size, turns)
+        self.path = shared / "tokenizers" / name / "tokenizer.json"
+        self.ref, self.hf = ChatRenderer(self.src, self.specials), Tokenizer.from_file(str(self.path))
+        self.chat = ChatSession(self.src, self.specials)
+        self.tok = load_tokenizer(str(self.path)).session(add_special_tokens=False)
+        first = self.conv[:self.start - 2]
+        self.tok.update(self.chat.render(first, **self.options).text)
+        B._settle(self.tok)
+        self._prev = len(first)
+
+    def end(self, s: int) -> int:
+        """Messages in the request of turn ``s`` (0-based)."""
+        return self.start + 2 * (s + 1)
+
+    def raw(self, s: int) -> bytes:
+        """Turn ``s``'s body: the JSON array of the messages its request adds (turns are taken in order)."""
+        end = self.end(s)
+        raw = B._dumps(self.conv[self._prev:end])
+        self._prev = end
+        return raw
+
+    def check(self, s: int, render, ids) -> None:
+        """Raise SystemExit unless turn ``s``'s text is the jinja2 render and its ids are HF's."""
+        text = self.ref.render(self.conv[:self.end(s)], **self.options)
+        if render.text != text or ids.tolist() != self.hf.encode(text, add_special_tokens=False).ids:
+            raise SystemExit(f"{self.name} {self.size}: turn {s} is INEXACT")
+
+
 def count(name: str, size: int, warm: int, turns: int, shared: Path) -> dict:
     """``{"bytecodes", "calls", "functions", "code_bytes", "by_file", "by_function"}``, per turn."""
-    from tokenizers import Tokenizer
-
-    from toktier_backend import load_tokenizer
-    from toktier_backend.chat.session import ChatSession
-    from toktier_backend.chat.template import ChatRenderer, special_tokens
-
-    src, cfg = C.template_source(name)
-    specials = special_tokens(cfg)
-    options = {"add_generation_prompt": True}
-    if name in C.TOOL_TEMPLATES:
-        options["tools"] = B.TOOLS
-    conv, start = B.conversation(name, size, warm + turns)
-    path = shared / "tokenizers" / name / "tokenizer.json"
-    ref, hf = ChatRenderer(src, specials), Tokenizer.from_file(str(path))
-    chat = ChatSession(src, specials)
-    tok = load_tokenizer(str(path)).session(add_special_tokens=False)
-    first = conv[:start - 2]
-    tok.update(chat.render(first, **options).text)
-    B._settle(tok)
+    t = Turns(name, size, warm + turns, shared)
     ops: Counter = Counter()
     calls: Counter = Counter()
 
@@ -67,20 +97,15 @@ def count(name: str, size: int, warm: int, turns: int, shared: Path) -> dict:
             calls[frame.f_code] += 1
         return trace
 
-    prev = len(first)
     for s in range(warm + turns):
-        end = start + 2 * (s + 1)
-        raw = B._dumps(conv[prev:end])
-        prev = end
+        raw = t.raw(s)
         counted = s >= warm
         if counted:
             sys.settrace(trace)
-        r, ids = B.delta_turn(chat, tok, raw, options)
+        r, ids = B.delta_turn(t.chat, t.tok, raw, t.options)
         sys.settrace(None)
         if counted:
-            text = ref.render(conv[:end], **options)
-            if r.text != text or ids.tolist() != hf.encode(text, add_special_tokens=False).ids:
-                raise SystemExit(f"{name} {size}: turn {s} is INEXACT")
+            t.check(s, r, ids)
         del ids  # a face drops its view of the reply once the response is written (as bench/chat.py)
     by_file: Counter = Counter()
     by_function: Counter = Counter()
