@@ -132,8 +132,8 @@ def cycles(t: dict[str, int]) -> int:
 
 def run(name: str, args, shared: Path) -> dict[str, dict[str, float]]:
     """``{system: per-turn medians}`` for one template: both children under callgrind, in parallel, each
-    counted turn dumped on its own (``--dump-after``), so a rare turn (a token buffer that grows: valgrind's
-    ``realloc`` always copies) is left aside as ``bench/chat.py``'s p50 leaves it."""
+    counted turn dumped on its own (``--dump-after``), so a rare turn (one whose token buffer grows, copying its
+    ids and ends where the allocator cannot extend the block) is left aside as ``bench/chat.py``'s p50 does."""
     out = Path(tempfile.mkdtemp(prefix="chat_cost_"))
     procs = {}
     for system in SYSTEMS:
