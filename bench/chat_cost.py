@@ -6,12 +6,13 @@ same comparison without the noise: it runs the turn under valgrind's callgrind w
 every figure is the same on every run of the same code and inputs.
 
 Each system runs in its own process (the two in parallel), with the conversation, the session and the
-tokenizer of ``bench/chat_work.py`` (``chat_work.Turns``): ``--warm`` turns, then ``--turns`` counted turns. Before each counted turn
-the process runs a full cyclic-GC collection (so that none runs inside the turn: a turn allocates fewer
-containers than the first generation's threshold; ``bench/chat.py``'s p50s leave the rare turn that collects
-aside the same way) and writes one byte per 64-byte line of an 8 MB buffer (above the simulated last level:
-every turn starts cold, as after ``bench/chat.py``'s check traffic at 1M+ chars), then calls the system through a ctypes
-trampoline; callgrind collects only inside it (``--toggle-collect=_ctypes_callproc``). Systems:
+tokenizer of ``bench/chat_work.py`` (``chat_work.Turns``): ``--warm`` turns, then ``--turns`` counted turns.
+Before each counted turn the process runs a full cyclic-GC collection (so that none runs inside the turn: a
+turn allocates fewer containers than the first generation's threshold; ``bench/chat.py``'s p50s leave the
+rare turn that collects aside the same way) and writes one byte per 64-byte line of an 8 MB buffer (above the
+simulated last level: every turn starts cold, as after ``bench/chat.py``'s check traffic at 1M+ chars), then
+calls the system through a ctypes trampoline; callgrind collects only inside it
+(``--toggle-collect=_ctypes_callproc``). Systems:
 
 - ``ours_delta``: ``chat.delta_turn`` (parse the new messages' JSON, ``ChatSession.render_more``, then the
   tokenizer session's ``append`` or ``splice``);
