@@ -37,15 +37,25 @@ as an agent resends it. Each request is an OpenAI-style JSON body
 The anchors and transformers get the messages already decoded (``orjson.loads`` of the same body, untimed):
 their JSON parse is not counted, ours is (conservative for ours).
 
-Cache state. Between two timed turns the run checks the reply (the whole text against the jinja2 render, the
-ids against gigatoken's): tens of MB at 3M chars, less at 100K, so the bigger sizes start their turns with
-colder caches. ``--sweep-mb N`` also reads an N MB buffer after each check (and after each anchor sample),
-so that every turn at every size starts from the same cold state (32 MB is above this machine's caches).
+Cache state. By default (``--checks between``) the run checks each reply between two timed turns (the whole
+text against the jinja2 render, the ids against gigatoken's): tens of MB at 3M chars, less at 100K, so the
+bigger sizes start their turns with colder caches. ``--checks after`` keeps each reply instead
+(:class:`Reply`: the render, and the SHA-256 of its ids, read once as a face reads them to write its
+response) and checks them all after the timed turns: between two turns only that read runs, as in a server
+between one agent's calls, where nothing else reads the session's context (the shadow verifier checks a
+sample of the replies, not each one). An old render's text stays exact after later turns
+(``session._Memo``), so each kept reply is checked as served. ``--sweep-mb N`` also reads an N MB buffer
+after each sample (after its check or its hash, and after each anchor sample), so that every turn at every
+size starts from the same cold state (32 MB is above this machine's caches).
 ``--neighbour`` runs, untimed, one turn of another session of the same template (the same conversation with
 each message's ``content`` case-swapped, sharing the timed session's template analysis and
 tokenizer, as a server's sessions of one model do) right before each timed ``ours_delta`` turn, and the
 floor's parts on that session's new messages right before each timed floor: a server's other traffic between
 one agent's calls, warming the shared code and tables but not this session's data. Its replies are checked too.
+``--interleave`` sets up every size of a template first, then runs their ``ours_delta`` turns (each with its
+floor) in rounds, one turn of each size per round (:func:`interleaved`): the sizes are compared in the same
+stretch of the run, so a drift of this VM's speed (the floor alone moves up to 2x between runs) falls on all
+of them alike. ``ours`` runs per size while the sizes are set up, the anchors per size after all the turns.
 
 Background indexing. A session's first text is indexed for prefix reuse by a background thread
 (``pipeline/prefix_index.py``); the timed turns start once it is done (:func:`_settle`), as an agent's next
@@ -62,12 +72,14 @@ Usage:
     python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --samples 24
     python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --sweep-mb 32
     python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --neighbour
+    python bench/chat.py --templates qwen3,llama3_1 --sizes 100000,1000000,3000000 --checks after --interleave
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import platform
 import sys
@@ -204,6 +216,27 @@ def _same(render, ids, text: str, want: np.ndarray) -> bool:
     return render.text == text and np.array_equal(np.asarray(ids, dtype=np.int64), want)
 
 
+class Reply:
+    """A reply kept for the checks after the timed turns (``--checks after``): its render (an old render's text
+    stays exact after later turns: ``session._Memo``) and the SHA-256 of its ids as served, with their dtype
+    and count. Hashing reads the ids once and keeps 32 bytes: nothing of the reply's size is copied or held
+    between two turns (a kept copy is fresh memory every turn, 3 MB at 3M chars, which slowed the next turns
+    down about 2x at 3M: ``docs/design/chat.md``, session 23)."""
+
+    __slots__ = ("render", "count", "dtype", "digest")
+
+    def __init__(self, render, ids):
+        a = np.ascontiguousarray(ids)
+        self.render, self.count, self.dtype, self.digest = render, len(a), a.dtype, hashlib.sha256(a).digest()
+
+    def same(self, text: str, want: np.ndarray) -> bool:
+        """Are the text and the ids ``text`` and ``want`` (as :func:`_same`)?"""
+        if self.render.text != text or self.count != len(want):
+            return False
+        w = want.astype(self.dtype)
+        return bool(np.array_equal(w, want)) and hashlib.sha256(w).digest() == self.digest
+
+
 def delta_turn(chat, tok, raw: bytes, options: dict):
     """One ``ours_delta`` turn: ``raw`` (a JSON array of the new messages) parsed, rendered on top of the
     session ``chat`` and tokenized by the tokenizer session ``tok``; (the render, the ids)."""
@@ -226,7 +259,7 @@ class Neighbour:
     messages right before each timed floor. Its replies are checked with the timed turn's (text against the
     jinja2 render, ids against gigatoken's)."""
 
-    def __init__(self, chat, tok, conv, start, ends, options, ref, giga):
+    def __init__(self, chat, tok, conv, start, ends, options, ref, giga, defer: bool = False):
         from toktier_backend.chat.session import ChatSession
 
         def swap(m: dict) -> dict:
@@ -246,21 +279,33 @@ class Neighbour:
         self.tok.update(self.chat.render(self.conv[:start - 2], **options).text)
         _settle(self.tok)
         self.raw = self.render = self.ids = None
+        self.defer = defer  # ``--checks after``: keep every reply (:class:`Reply`) for the checks after the turns
+        self.replies: dict[int, Reply] = {}
 
     def turn(self, i: int) -> None:
         self.raw = _dumps(self.conv[self.prev_end:self.ends[i]])
         self.prev_end = self.ends[i]
         r, ids = delta_turn(self.chat, self.tok, self.raw, self.options)
-        self.render, self.ids = r, np.array(ids)  # (a copy: the reply's view is dropped, as a face does)
+        self.render = r
+        if self.defer:
+            self.replies[i] = Reply(r, ids)
+        else:
+            self.ids = np.array(ids)  # (a copy: the reply's view is dropped, as a face does)
 
     def check(self, i: int) -> bool:
+        """Turn ``i``'s reply against the jinja2 render and gigatoken: the last turn's, or with ``defer``
+        any turn's."""
+        if self.defer:
+            return self.replies[i].same(self.texts[i], self.want[i])
         return _same(self.render, self.ids, self.texts[i], self.want[i])
 
     def floor_turn(self, mini, giga) -> None:
         floor_turn(mini, giga, self.raw, self.render.delta)
 
 
-def run(name: str, size: int, args, shared: Path) -> dict:
+def run(name: str, size: int, args, shared: Path):
+    """One template and size, as a generator: it yields once its ``ours_delta`` session is ready, then after
+    each ``ours_delta`` turn and its floor, and returns the cell's row (:func:`complete`, :func:`interleaved`)."""
     import gigatoken
     from tokenizers import Tokenizer
 
@@ -319,6 +364,17 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     tok.update(r.text)
     _settle(tok)
     extends = reused_all = 0
+    defer = args.checks == "after"
+    replies: list[Reply] = []  # ``--checks after``: each reply, checked after the turns
+
+    def _checked(i: int, r, ids=None) -> bool:
+        # the whole text against jinja2's, the ids against gigatoken's (``r``: a Reply, or a render and its ids),
+        # and gigatoken's against HF's for the first and last request
+        ok = r.same(texts[i], want_ids[i]) if ids is None else _same(r, ids, texts[i], want_ids[i])
+        if i in (0, len(reqs) - 1) and want_ids[i].tolist() != hf.encode(texts[i], add_special_tokens=False).ids:
+            ok = False
+        return ok
+
     n_messages = [len(m) for m in reqs]
     gc.collect()
     for i in range(len(reqs)):
@@ -353,12 +409,15 @@ def run(name: str, size: int, args, shared: Path) -> dict:
             del old
             prev_raw = raw
             reused_all += got.same_prefix == n_messages[i] - 2
-        if r.text != texts[i] or not np.array_equal(np.asarray(ids, dtype=np.int64), want_ids[i]):
-            exact["ours"] = False
-        if i in (0, len(reqs) - 1) and ids.tolist() != hf.encode(texts[i], add_special_tokens=False).ids:
+        if defer:
+            replies.append(Reply(r, ids))
+        elif not _checked(i, r, ids):
             exact["ours"] = False
         del ids  # a face drops its view of the reply once the response is written (token_buffer.py)
         cool()
+    if defer and not all(_checked(i, reply) for i, reply in enumerate(replies)):
+        exact["ours"] = False
+    replies.clear()
     stats["ours_routes"] = {k: v for k, v in chat.stats.items()}
     stats["ours_append_share"] = extends / len(reqs)
     stats["ours_parse_reused_all_share"] = reused_all / len(reqs) if bodies is not None else None
@@ -373,8 +432,9 @@ def run(name: str, size: int, args, shared: Path) -> dict:
     ends = [start + 2 * (s + 1) for s in range(len(reqs))]
     prev_end = len(first)
     floor_ok = True
-    nb = Neighbour(chat_d, tok_d, conv, start, ends, options, ref, giga) if args.neighbour else None
+    nb = Neighbour(chat_d, tok_d, conv, start, ends, options, ref, giga, defer) if args.neighbour else None
     gc.collect()
+    yield  # ready for the ours_delta turns; with --interleave the other sizes' turns alternate with these
     for i, end in enumerate(ends):
         raw = _dumps(conv[prev_end:end])  # untimed: what the client sends (the 2 new messages)
         prev_end = end
@@ -383,7 +443,9 @@ def run(name: str, size: int, args, shared: Path) -> dict:
         t0 = time.perf_counter_ns()
         r, ids = delta_turn(chat_d, tok_d, raw, options)
         times["ours_delta"].append((time.perf_counter_ns() - t0) / 1e6)
-        if not _same(r, ids, texts[i], want_ids[i]) or (nb is not None and not nb.check(i)):
+        if defer:
+            replies.append(Reply(r, ids))
+        elif not _same(r, ids, texts[i], want_ids[i]) or (nb is not None and not nb.check(i)):
             exact["ours_delta"] = False
         cool()
         if floor_ok:  # the floor of the same turn, after the same check traffic (module docstring)
@@ -396,9 +458,16 @@ def run(name: str, size: int, args, shared: Path) -> dict:
             except Exception:  # noqa: BLE001 - the template refuses the messages alone: no floor
                 floor_ok = False
                 times[FLOOR].clear()
-            _same(r, ids, texts[i], want_ids[i])
+            if not defer:
+                _same(r, ids, texts[i], want_ids[i])
             cool()
         del ids
+        yield
+    if defer:
+        for i, reply in enumerate(replies):
+            if not reply.same(texts[i], want_ids[i]) or (nb is not None and not nb.check(i)):
+                exact["ours_delta"] = False
+        replies.clear()
 
     for i, msgs in enumerate(reqs):
         t0 = time.perf_counter_ns()
@@ -438,6 +507,38 @@ def run(name: str, size: int, args, shared: Path) -> dict:
                   "p90": A.percentile(times[s], 90) if times[s] else None}
     row["sweep_mb"] = args.sweep_mb
     return row
+
+
+def complete(cell) -> dict:
+    """Run one :func:`run` generator to its end; its row."""
+    try:
+        while True:
+            next(cell)
+    except StopIteration as stop:
+        return stop.value
+
+
+def interleaved(cells: list) -> list[dict]:
+    """Run :func:`run` generators (one template's sizes) with their ``ours_delta`` turns alternating: each is
+    set up (up to its first yield), then each round runs one turn (and its floor) of every size, in an order
+    rotated by one each round, so that a drift of the machine's speed during the run falls on every size
+    alike. Their rows, in order."""
+    for cell in cells:
+        next(cell)
+    gc.collect()
+    rows: list = [None] * len(cells)
+    live = list(range(len(cells)))
+    turn = 0
+    while live:
+        shift = turn % len(live)
+        for j in live[shift:] + live[:shift]:
+            try:
+                next(cells[j])
+            except StopIteration as stop:
+                rows[j] = stop.value
+                live.remove(j)
+        turn += 1
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -491,7 +592,12 @@ def main(argv=None) -> int:
     p.add_argument("--hf-samples", type=int, default=3, help="transformers samples per cell (0: skip)")
     p.add_argument("--reuse-objects", action="store_true", help="pass the previous list plus new dicts")
     p.add_argument("--sweep-mb", type=int, default=0,
-                   help="read an N MB buffer after each sample's check: the same cold start at every size")
+                   help="read an N MB buffer after each sample: the same cold start at every size")
+    p.add_argument("--checks", choices=("between", "after"), default="between",
+                   help="check each reply between the timed turns (default), or keep the replies (their "
+                        "renders and ids' SHA-256) and check them all after the turns")
+    p.add_argument("--interleave", action="store_true",
+                   help="alternate the sizes' ours_delta turns (and floors) instead of running one size after another")
     p.add_argument("--neighbour", action="store_true",
                    help="one turn of another session of the template before each ours_delta turn and floor")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
@@ -500,14 +606,20 @@ def main(argv=None) -> int:
     shared = A.shared_dir(args.shared)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
+    sizes = list(map(int, args.sizes.split(",")))
     for name in args.templates.split(","):
-        for size in map(int, args.sizes.split(",")):
-            rows.append(run(name, size, args, shared))
-            print(f"[{name} {size}] ours routes {rows[-1]['ours_routes']}", file=sys.stderr, flush=True)
+        if args.interleave:
+            rows += interleaved([run(name, size, args, shared) for size in sizes])
+        else:
+            rows += [complete(run(name, size, args, shared)) for size in sizes]
+        for row in rows[-len(sizes):]:
+            print(f"[{name} {row['size']}] ours routes {row['ours_routes']}", file=sys.stderr, flush=True)
     print(f"# chat turns, ms p50/p90; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{platform.python_version()}, {'reused objects' if args.reuse_objects else 'messages from JSON'}, "
           f"{f'{args.sweep_mb} MB swept after each check' if args.sweep_mb else 'no sweep'}"
-          f"{', a neighbour session before each ours_delta turn and floor' if args.neighbour else ''}")
+          f"{', a neighbour session before each ours_delta turn and floor' if args.neighbour else ''}"
+          f"{', replies checked after the timed turns' if args.checks == 'after' else ''}"
+          f"{', the sizes interleaved' if args.interleave else ''}")
     print(table(rows))
     if args.reuse_objects:
         print("ours = render + tokenize from the caller's objects (trust_identity); no bytes. Stage p50 (ms):")
@@ -521,7 +633,9 @@ def main(argv=None) -> int:
     Path(args.out, "chat.json").write_text(json.dumps({"rows": rows, "revision": A.core_revision(),
                                                        "reuse_objects": args.reuse_objects,
                                                        "sweep_mb": args.sweep_mb,
-                                                       "neighbour": args.neighbour}, indent=1))
+                                                       "neighbour": args.neighbour,
+                                                       "checks": args.checks,
+                                                       "interleave": args.interleave}, indent=1))
     plot(rows, Path(args.out, "chat.png"))
     print(f"wrote {args.out}/chat.json, chat.png")
     return 0
