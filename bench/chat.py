@@ -220,8 +220,8 @@ class Reply:
     """A reply kept for the checks after the timed turns (``--checks after``): its render (an old render's text
     stays exact after later turns: ``session._Memo``) and the SHA-256 of its ids as served, with their dtype
     and count. Hashing reads the ids once and keeps 32 bytes: nothing of the reply's size is copied or held
-    between two turns (a kept copy is fresh memory every turn, 3 MB at 3M chars, which slowed the next turns
-    down about 2x at 3M: ``docs/design/chat.md``, session 23)."""
+    between two turns (a kept copy would be fresh memory written every turn: ``docs/design/chat.md``,
+    session 23)."""
 
     __slots__ = ("render", "count", "dtype", "digest")
 
