@@ -106,10 +106,10 @@ def collect(system: str, name: str, size: int, warm: int, turns: int, shared: Pa
                 floor()
         r, ids = state.pop("reply")
         if counted:
-            replies.append((s, r, ids.copy()))
+            replies.append((s, B.Reply(r, ids)))
         del ids  # a face drops its view of the reply once the response is written (as bench/chat.py)
-    for s, r, ids in replies:
-        t.check(s, r, ids)
+    for s, reply in replies:
+        t.check(s, reply)
 
 
 def totals(path: Path) -> dict[str, int]:

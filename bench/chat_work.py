@@ -25,6 +25,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anchors as A  # noqa: E402
 
@@ -76,10 +78,12 @@ class Turns:
         self._prev = end
         return raw
 
-    def check(self, s: int, render, ids) -> None:
-        """Raise SystemExit unless turn ``s``'s text is the jinja2 render and its ids are HF's."""
+    def check(self, s: int, reply: "B.Reply") -> None:
+        """Raise SystemExit unless turn ``s``'s reply (``chat.Reply``: kept after the turn, checked any time
+        later) has the jinja2 render's text and HF's ids."""
         text = self.ref.render(self.conv[:self.end(s)], **self.options)
-        if render.text != text or ids.tolist() != self.hf.encode(text, add_special_tokens=False).ids:
+        want = np.asarray(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        if not reply.same(text, want):
             raise SystemExit(f"{self.name} {self.size}: turn {s} is INEXACT")
 
 
@@ -105,7 +109,7 @@ def count(name: str, size: int, warm: int, turns: int, shared: Path) -> dict:
         r, ids = B.delta_turn(t.chat, t.tok, raw, t.options)
         sys.settrace(None)
         if counted:
-            t.check(s, r, ids)
+            t.check(s, B.Reply(r, ids))
         del ids  # a face drops its view of the reply once the response is written (as bench/chat.py)
     by_file: Counter = Counter()
     by_function: Counter = Counter()
