@@ -21,7 +21,7 @@ as an agent resends it. Each request is an OpenAI-style JSON body
   bytes; the previous list plus the new dicts, as an in-process caller would pass them, with
   ``ChatSession(trust_identity=True)``;
 - ``ours_delta``: the client sends only the new messages (Triton ``MODE=delta``): timed from their JSON
-  array's bytes: ``chat.wire.parse_messages``, ``ChatSession.render_more``, then the tokenizer session as
+  array's bytes: ``ChatSession.render_more_body`` (``chat.wire.parse_messages``, then ``render_more``), then the tokenizer session as
   for ``ours``; nothing of the old conversation is sent, compared or parsed (a second warm session);
 - ``transformers``: ``apply_chat_template(tokenize=True)`` (``--hf-samples`` samples: it encodes the whole
   text with HF);
@@ -95,7 +95,6 @@ import anchors as A  # noqa: E402
 A.ensure_repo_on_path()
 
 from tests.chat import corpus as C  # noqa: E402
-from toktier_backend.chat.wire import parse_messages  # noqa: E402
 
 SYSTEMS = ("ours", "ours_delta", "transformers", "jinja2+gigatoken", "minijinja+gigatoken")
 FLOOR = "floor"  # a lower bound of the turn's parts, not a system (module docstring)
@@ -240,7 +239,7 @@ class Reply:
 def delta_turn(chat, tok, raw: bytes, options: dict):
     """One ``ours_delta`` turn: ``raw`` (a JSON array of the new messages) parsed, rendered on top of the
     session ``chat`` and tokenized by the tokenizer session ``tok``; (the render, the ids)."""
-    r = chat.render_more(parse_messages(raw), **options)
+    r = chat.render_more_body(raw, **options)
     delta = r.delta
     return r, (tok.append(delta) if r.extends_previous else tok.splice(r.departure, delta))
 

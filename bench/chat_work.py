@@ -1,7 +1,7 @@
 """Work per chat turn, counted: the Python bytecodes, calls and code objects of one ``ours_delta`` turn.
 
 The turn is ``bench/chat.py``'s ``ours_delta`` (the same conversation, the same two new messages per turn):
-``chat.wire.parse_messages`` of the new messages' JSON, ``ChatSession.render_more``, then the tokenizer
+``ChatSession.render_more_body`` of the new messages' JSON (parsed, then rendered), then the tokenizer
 session's ``append`` (``splice`` when the render does not extend the previous text). After ``--warm`` untimed
 turns (CPython 3.11 specializes a code object at its 8th call: fewer warm turns would count that too),
 ``--turns`` turns run under ``sys.settrace`` with ``f_trace_opcodes`` and are counted: bytecodes executed,

@@ -8,6 +8,7 @@ templates that defeat the analysis. Each test also asserts that the incremental 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -196,25 +197,38 @@ def test_trust_identity(name, folder):
     assert check.chat.stats["iterations_reused"] > 0
 
 
+@pytest.mark.parametrize("body", [False, True], ids=["objects", "json"])
 @pytest.mark.parametrize("name", TEMPLATES)
-def test_render_more_equals_the_whole_conversation(name, folder):
-    """``render_more(new)``: only the messages after the previous request's are passed; the text equals
+def test_render_more_equals_the_whole_conversation(name, folder, body):
+    """``render_more(new)`` (``body``: ``render_more_body`` of the new messages' JSON, which the session keeps
+    uncopied): only the messages after the previous request's are passed; the text equals
     transformers' render of the whole conversation at every step (generation prompt on after a user/tool
     message, off after the assistant's), the departure and delta describe the change from the previous
     text, and the ids of the tokenizer session advanced by them equal ``tokenize=True``. A delta is refused
-    on a fresh session and after ``continue_final_message``; a refusal by the template leaves a session
-    that renders whole again."""
+    on a fresh session and after ``continue_final_message``; a body that is not a JSON array of objects is
+    refused and leaves the session as it was; a refusal by the template leaves a session that renders whole
+    again."""
     check = Checker(name, folder)
     path = _files()[0]
     conv = conversation(name, path)[:16]
     options = {"tools": TOOLS} if name in TOOL_TEMPLATES else {}
+
+    def more(new, **kw):
+        if body:
+            return check.chat.render_more_body(json.dumps(new).encode(), **kw)
+        return check.chat.render_more([dict(m) for m in new], **kw)
+
     with pytest.raises(InvalidRequest, match="previous request"):
-        check.chat.render_more(conv[:2], add_generation_prompt=True, **options)
+        more(conv[:2], add_generation_prompt=True, **options)
     check.step(conv[:2], add_generation_prompt=True, **options)
     for i in range(3, len(conv) + 1):
         agp = conv[i - 1]["role"] != "assistant"
         want = check.reference(conv[:i], tokenize=False, add_generation_prompt=agp, **options)
-        r = check.chat.render_more([dict(conv[i - 1])], add_generation_prompt=agp, **options)
+        if body and i == 5:
+            for bad in (b'[{"role": "user"', b'{"role": "user", "content": "x"}', b'["x"]'):
+                with pytest.raises(InvalidRequest):
+                    check.chat.render_more_body(bad, add_generation_prompt=agp, **options)
+        r = more([conv[i - 1]], add_generation_prompt=agp, **options)
         assert r.text == want, (name, i)
         assert want[:r.departure] == check.prev[:r.departure] and r.delta == want[r.departure:]
         got = check.tok.append(r.delta) if r.extends_previous else check.tok.splice(r.departure, r.delta)
@@ -225,7 +239,7 @@ def test_render_more_equals_the_whole_conversation(name, folder):
     r = check.chat.render(conv[:j], continue_final_message=True, **options)
     assert r.text == check.reference(conv[:j], tokenize=False, continue_final_message=True, **options)
     with pytest.raises(InvalidRequest, match="previous request"):
-        check.chat.render_more([{"role": "user", "content": "more"}], add_generation_prompt=True, **options)
+        more([{"role": "user", "content": "more"}], add_generation_prompt=True, **options)
 
 
 _LOOP = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"  # no epilogue

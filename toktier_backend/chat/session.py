@@ -670,6 +670,17 @@ class ChatSession:
             messages and records it kept, not the text: the next request renders whole, its departure is
             measured against the last text served).
         """
+        return self._request(messages, same_prefix, None, tools=tools, documents=documents,
+                             add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message, **kwargs)
+
+    def _request(self, messages, same_prefix, decoded_from, /, *, tools=None, documents=None,
+                 add_generation_prompt=False, continue_final_message=False, **kwargs) -> ChatRender:
+        """:meth:`render`. ``decoded_from``: ``messages[decoded_from:]`` are values this session parsed from
+        JSON (:meth:`render_body`, :meth:`render_more_body`; ``None``: none are), kept as their own
+        snapshots (:meth:`_diff`)."""
+        if "same_prefix" in kwargs:  # (render's own argument; the callers that set it here take none)
+            raise TypeError("same_prefix is set by the session here")
         keep = same_prefix is not None or self.trust_identity
         same_prefix = self._checked_prefix(messages, same_prefix)
         # the trusted prefix passed this check in the previous request (same objects, unmutated)
@@ -677,7 +688,7 @@ class ChatSession:
                          continue_final_message)
         try:
             return self._render(messages, tools, documents, add_generation_prompt, continue_final_message,
-                                same_prefix, keep, kwargs)
+                                same_prefix, keep, decoded_from, kwargs)
         except BaseException:
             self._forget_messages()  # _diff edits the kept lists in place: after a failure they are stale
             raise
@@ -714,7 +725,7 @@ class ChatSession:
             want = "a JSON array of message objects" if top == "array" else "a 'messages' member"
             raise InvalidRequest(f"request body has no list of messages (expected {want})")
         try:
-            return self.render(got.messages, same_prefix=got.same_prefix, **options), got.value
+            return self._request(got.messages, got.same_prefix, 0, **options), got.value
         except BaseException:
             loader.reset()  # the session forgot its state: the next same_prefix must not refer to it
             raise
@@ -752,6 +763,22 @@ class ChatSession:
         """
         if type(new_messages) is not list:
             raise InvalidRequest(f"messages must be a list of message objects, got {type(new_messages).__name__}")
+        return self._more(new_messages, False, options)
+
+    def render_more_body(self, raw: bytes, **options: Any) -> ChatRender:
+        """:meth:`render_more` of the messages in ``raw``, a JSON array of message objects (Triton's
+        ``MESSAGES`` in ``MODE=delta``), parsed here (:func:`.wire.parse_messages`). The parsed messages hold
+        exact JSON types only, so the session keeps them as their own snapshots, with no copy.
+
+        Raises:
+            InvalidRequest: ``raw`` is not a JSON array of objects (the session is unchanged), or as
+            :meth:`render_more`.
+        """
+        from toktier_backend.chat.wire import parse_messages
+
+        return self._more(parse_messages(raw), True, options)
+
+    def _more(self, new_messages: list, decoded: bool, options: dict) -> ChatRender:
         if not self.extendable:
             raise InvalidRequest(
                 "a delta of messages needs the conversation's previous request: none is held (first request, "
@@ -763,11 +790,12 @@ class ChatSession:
         if self._body is not None:
             self._body.reset()  # its kept bytes no longer describe the messages
         raw.extend(new_messages)
-        return self.render(raw, same_prefix=n, **options)  # (a failure forgets the kept lists, raw with them)
+        # (a failure forgets the kept lists, raw with them)
+        return self._request(raw, n, n if decoded else None, **options)
 
     def _render(self, messages, tools, documents, add_generation_prompt, continue_final_message, same_prefix,
-                keep, kwargs) -> ChatRender:
-        k, snaps, chat = self._diff(messages, same_prefix, keep)
+                keep, decoded_from, kwargs) -> ChatRender:
+        k, snaps, chat = self._diff(messages, same_prefix, keep, decoded_from)
         final = None
         if continue_final_message:
             chat = list(chat)
@@ -810,7 +838,7 @@ class ChatSession:
 
     # ------------------------------------------------------------ messages
 
-    def _diff(self, messages, same_prefix=0, keep=False):
+    def _diff(self, messages, same_prefix=0, keep=False, decoded_from=None):
         """(k, snapshots, prepared messages): ``k`` is the first position whose message differs strictly from
         the previous request's. ``==`` on the lists (C, identity shortcut) finds value changes; it ignores
         int/float/bool and dict-order differences, so values that are not strings are also compared by
@@ -819,7 +847,13 @@ class ChatSession:
         Positions below a checked ``same_prefix`` (:meth:`render`) are not compared.
 
         ``keep``: keep the caller's objects (``_raw``) for the next request's checks. The kept lists
-        (snapshots, prepared messages, strict signatures, caller objects) are cut and extended in place: O(changed messages), not O(messages); :meth:`render` forgets them if the request fails."""
+        (snapshots, prepared messages, strict signatures, caller objects) are cut and extended in place: O(changed messages), not O(messages); :meth:`render` forgets them if the request fails.
+
+        ``decoded_from``: messages from that position on were parsed from JSON by this session (``None``:
+        none were). Such a message is its own snapshot: a JSON parse gives exact ``dict``, ``list``, ``str``,
+        ``int``, ``float``, ``bool`` and ``None`` only (orjson and ``json`` alike: ``jsonio.loads``), which
+        :func:`.template.plain` would copy as they are, and the caller may not mutate it (the contract of
+        :meth:`render_body` and :meth:`render_more_body`, as for the ``same_prefix`` objects it trusts)."""
         old = self._snaps
         m = min(len(messages), len(old))
         k = m
@@ -847,9 +881,10 @@ class ChatSession:
         pos, keys, reprs = self._strict
         cut = bisect_left(pos, k)
         del pos[cut:], keys[cut:], reprs[cut:]
+        own = len(messages) if decoded_from is None else decoded_from
         for i in range(k, len(messages)):
             m = messages[i]
-            sn = _t.plain(m)
+            sn = m if i >= own else _t.plain(m)
             snaps.append(sn)
             chat.append(_t.prepare_plain(sn))
             for key, v in m.items():  # the caller's values: a non-JSON one is strict (_needs_strict)

@@ -886,7 +886,10 @@ class ServingCore:
         entry.chat_synced = -1  # until this step has succeeded (a failed render or encode breaks the pairing)
         if delta:
             chat = entry.chat
-            render = chat.render_more(_parsed(messages), **options)
+            if isinstance(messages, (bytes, bytearray, memoryview)):  # parsed by the session: kept uncopied
+                render = chat.render_more_body(messages, **options)
+            else:
+                render = chat.render_more(messages, **options)
             messages = chat.messages
             if quarantined:  # the kept messages are still exact; the text comes from the full render
                 render = _FullRender(tpl.full_renderer().render(messages, **options), "full:quarantined")
