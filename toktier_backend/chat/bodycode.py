@@ -24,7 +24,8 @@ Proof obligations (C1-C8), each against jinja2 3.1's code generator (``compiler.
 environment :func:`.template.segment_environment` (``PlainFastSandbox`` under jinja2 3.1.5+, whose
 ``getattr``/``call`` return what the stock sandbox returns; no ``finalize``, no autoescape, no intercepted
 operators, not async: checked at compile time). The values a body sees are plain JSON values (messages are
-:func:`.template.prepare_plain` copies, outer values pass ``_plain_value``), the session's stand-ins, and
+:func:`.template.prepare_plain` dicts of :func:`.template.plain` copies or of JSON parses, which hold exact
+JSON types only; outer values pass ``plain_value``), the session's stand-ins, and
 jinja2 ``Undefined``; in the compiled code an undefined value is :data:`UNDEFINED`, whose truth value is
 ``False`` and whose every other use raises.
 
@@ -49,7 +50,11 @@ C3 Values. ``Const`` (scalars, and lists or tuples of scalars: folded literals) 
    An ``UNDEFINED`` operand raises where jinja2's ``Undefined`` would give a value, except for truth
    (``False`` in both).
 C4 Attribute and item reads. ``x.a`` (``a`` not a ``dict`` attribute name, ``template.DICT_ATTRIBUTES``) on an
-   exact ``dict`` is ``x[a]`` or undefined (``PlainFastSandbox.getattr``); on anything else it raises.
+   exact ``dict`` is ``x[a]`` or undefined (``PlainFastSandbox.getattr``); on anything else it raises. In a
+   loop body it is ``dict.get(x, a, UNDEFINED)``, a C call: the method descriptor raises ``TypeError`` for
+   anything that is not a ``dict``, and no value a body holds is an instance of a ``dict`` subclass (the
+   values above are exact JSON types, whose dicts are exact; the compiled code's own values are scalars,
+   ``str``, and lists and dicts it builds as literals; filters, tests and ``str`` methods (C6) give none).
    ``x[k]``: a ``dict`` and a ``str`` key it holds, or a ``list``/``tuple``/``str`` and an ``int`` index in
    range, give ``x[k]`` (``SandboxedEnvironment.getitem`` returns ``obj[argument]`` when that succeeds);
    everything else raises. A slice is Python slicing, as jinja2 emits it.
@@ -473,8 +478,8 @@ def compile_body(env, node, *, target: str, reverse: bool, start: int, ns_names:
                outer_names=frozenset(outer_names), uses_messages=uses_messages)
     source = gen.source(node)
     nsr, cmp_ = _make_ns_read(missing)
-    scope = {"U": UNDEFINED, "Bail": Bail, "_ga": _ga, "_gi": _gi, "_sm": _sm, "_call": _call, "_call1": _call1,
-             "_seq": _seq, "_concat": _concat, "_nsr": nsr, "_cmp": cmp_, "_nsw": _nsw, "_cmpv": _cmpv, "_mget": _mget,
+    scope = {"U": UNDEFINED, "Bail": Bail, "_dg": dict.get, "_gi": _gi, "_sm": _sm, "_call": _call,
+             "_call1": _call1, "_seq": _seq, "_concat": _concat, "_nsr": nsr, "_cmp": cmp_, "_nsw": _nsw, "_cmpv": _cmpv, "_mget": _mget,
              "_mlen": _mlen, "_bail": _bail, **gen.consts}
     fn = _load(source, scope, f"<chat body {target}>")
     fn.source = source
@@ -826,9 +831,11 @@ class _Gen:
             return _INNER_SOURCE[node.attr].format(i=i, n=length)
         if node.attr in DICT_ATTRIBUTES:
             raise Unsupported(f"attribute {node.attr!r} (a dict attribute name)")
-        if self.plain and node.attr[:1] != "_":
-            return f"_gap({self.expr(node.node, sym)}, {node.attr!r})"
-        return f"_ga({self.expr(node.node, sym)}, {node.attr!r})"
+        if self.plain:
+            if node.attr[:1] != "_":
+                return f"_gap({self.expr(node.node, sym)}, {node.attr!r})"
+            return f"_ga({self.expr(node.node, sym)}, {node.attr!r})"
+        return f"_dg({self.expr(node.node, sym)}, {node.attr!r}, U)"  # dict.get (C4)
 
     def getitem(self, node, sym) -> str:
         from jinja2 import nodes
