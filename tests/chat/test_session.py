@@ -169,6 +169,36 @@ def test_scalar_types_and_key_order(folder):
     assert check.chat.stats["incremental"] == 5
 
 
+@pytest.mark.parametrize("later", ["render", "render_body"])
+def test_scalar_types_and_key_order_after_a_json_delta(later):
+    """Messages that came as JSON (``render_more_body``, kept uncopied, their strict entries computed only when
+    a later request compares them) are still compared strictly: a whole conversation sent later with ``1.0``,
+    ``True`` or another key order where they had ``1`` renders those messages again."""
+    source, cfg = template_source("qwen3")
+    ref = ChatRenderer(source, special_tokens(cfg))
+    base = [{"role": "user", "content": "go"}]
+
+    def turn(args, content="ok"):
+        call = [{"type": "function", "function": {"name": "f", "arguments": args}}]
+        return [{"role": "assistant", "content": "", "tool_calls": call}, {"role": "tool", "content": content}]
+
+    for args in ({"a": 1.0, "b": "x"}, {"a": True, "b": "x"}, {"b": "x", "a": 1}):
+        chat = ChatSession(source, special_tokens(cfg))
+        chat.render(base, add_generation_prompt=True, tools=TOOLS)
+        first = turn({"a": 1, "b": "x"}, "one")
+        r = chat.render_more_body(json.dumps(first).encode(), add_generation_prompt=True, tools=TOOLS)
+        assert r.text == ref.render(base + first, add_generation_prompt=True, tools=TOOLS)
+        r = chat.render_more_body(json.dumps(turn({"c": 2}, "two")).encode(), add_generation_prompt=True, tools=TOOLS)
+        conv = base + turn(args, "one") + turn({"c": 2}, "two")
+        if later == "render":
+            r = chat.render(conv, add_generation_prompt=True, tools=TOOLS)
+        else:
+            r, _ = chat.render_body(json.dumps(conv).encode(), top="array", add_generation_prompt=True, tools=TOOLS)
+        want = ref.render(conv, add_generation_prompt=True, tools=TOOLS)
+        assert want != ref.render(base + first + turn({"c": 2}, "two"), add_generation_prompt=True, tools=TOOLS)
+        assert r.text == want, args
+
+
 def test_mutated_in_place(folder):
     """The caller edits a message dict it already passed: the session compares against its own copies."""
     check = Checker("llama3_1", folder)

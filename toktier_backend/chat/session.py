@@ -627,8 +627,10 @@ class ChatSession:
         # kept); invariant: aligned with _snaps, and the value of _raw[i] (unmutated) equals _snaps[i]
         self._raw: list | None = None
         self._body = None  # the IncrementalBody of render_body
-        # every message value that is not a str: (positions, keys, signatures), sorted by position
-        self._strict: tuple[list, list, list] = ([], [], [])
+        # every message value that is not a str: (positions, keys, signatures), sorted by position; then the
+        # positions whose entries are not computed yet (``lazy``, sorted): messages a JSON parse gave, whose
+        # snapshot is the message itself (:meth:`_diff`), computed from it when a request compares them
+        self._strict: tuple[list, list, list, list] = ([], [], [], [])
         self._next_strict = self._strict
         self._chat: list = []
         self._memos: list | None = None
@@ -878,13 +880,18 @@ class ChatSession:
         snaps = old
         chat = self._chat
         del snaps[k:], chat[k:]
-        pos, keys, reprs = self._strict
+        pos, keys, reprs, lazy = self._strict
         cut = bisect_left(pos, k)
-        del pos[cut:], keys[cut:], reprs[cut:]
+        del pos[cut:], keys[cut:], reprs[cut:], lazy[bisect_left(lazy, k):]
         own = len(messages) if decoded_from is None else decoded_from
         for i in range(k, len(messages)):
             m = messages[i]
-            sn = m if i >= own else _t.plain(m)
+            if i >= own:  # its own snapshot, never mutated: its strict entries can wait (_settle_strict)
+                snaps.append(m)
+                chat.append(_t.prepare_plain(m))
+                lazy.append(i)
+                continue
+            sn = _t.plain(m)
             snaps.append(sn)
             chat.append(_t.prepare_plain(sn))
             for key, v in m.items():  # the caller's values: a non-JSON one is strict (_needs_strict)
@@ -892,7 +899,7 @@ class ChatSession:
                     pos.append(i)
                     keys.append(key)
                     reprs.append(_signature(sn.get(key if type(key) is str else _t.plain(key), MISSING)))
-        self._next_strict = (pos, keys, reprs)
+        self._next_strict = (pos, keys, reprs, lazy)
         raw = self._raw
         if not keep:
             self._raw = None
@@ -945,7 +952,8 @@ class ChatSession:
     def _strict_prefix(self, messages, k, lo=0):
         """Lower ``k`` to the first position in ``[lo, k)`` whose message equals the old one by ``==`` but
         not strictly (marshal bytes of values where that can show; key order where observable)."""
-        pos, keys, reprs = self._strict
+        self._settle_strict(lo, k)
+        pos, keys, reprs, _ = self._strict
         i0, j = bisect_left(pos, lo), bisect_left(pos, k)
         pos, keys, reprs = pos[i0:j], keys[i0:j], reprs[i0:j]
         if pos:
@@ -961,6 +969,29 @@ class ChatSession:
             if list(map(list, old[lo:k])) != list(map(list, messages[lo:k])):
                 k = next(i for i in range(lo, k) if list(old[i]) != list(messages[i]))
         return k
+
+    def _settle_strict(self, lo: int, hi: int) -> None:
+        """Compute the strict entries of the lazy positions in ``[lo, hi)`` from their snapshots, as
+        :meth:`_diff` computes them from the caller's values: the snapshot is the caller's object there, which
+        the caller does not mutate (:meth:`render_more_body`), so the entries are the ones it would have
+        computed when the message came. O(entries) per call, with one sort when any are added."""
+        pos, keys, reprs, lazy = self._strict
+        a, b = bisect_left(lazy, lo), bisect_left(lazy, hi)
+        if a == b:
+            return
+        snaps = self._snaps
+        add = []
+        for i in lazy[a:b]:
+            sn = snaps[i]
+            if type(sn) is not dict:  # _NEVER (continue_final_message): it equals nothing, so k is below it
+                continue
+            for key, v in sn.items():
+                if type(v) is not str and self._needs_strict(v, (key,)):
+                    add.append((i, key, _signature(v)))
+        del lazy[a:b]
+        if add:
+            merged = sorted([*zip(pos, keys, reprs), *add], key=operator.itemgetter(0))  # stable: a position's keys in order
+            pos[:], keys[:], reprs[:] = (list(x) for x in zip(*merged))
 
     # ------------------------------------------------------------ full path
 
@@ -1338,11 +1369,9 @@ class ChatSession:
         """(departure, delta, new total length). Segments (and a forward loop's records reused before its
         first rendered one) that are the same are skipped by length; from the first that may differ, the old
         and new texts are compared as streams of pieces, so only the chars up to the first difference and
-        the new text after it are touched."""
+        the new text after it are touched. The new length is ``departure + len(delta)``: the new text is the
+        old text's first ``departure`` chars, then the delta."""
         old_pieces = self._pieces
-        total = 0
-        for p in pieces:
-            total += len(p) if type(p) is str else p.length()
         base = 0
         i = 0
         skip = 0  # records of the forward loop piece where the streams start that are the same as before
@@ -1376,7 +1405,7 @@ class ChatSession:
                         old_rest = "".join(rest)
                         new_rest = "".join(_stream(pieces, i, skip))
                         d = common_prefix_length(old_rest, new_rest)
-                        return base + d, new_rest[d:], total
+                        return base + d, new_rest[d:], base + len(new_rest)
                     break
                 if _tail_text(new, j) == _tail_text(old, j):
                     base += new.length()
@@ -1384,15 +1413,15 @@ class ChatSession:
                 base += new.cum[j - 1] if j else 0
                 skip = j
                 break
-            else:
-                return base, "", total
+            else:  # every piece was the same: ``base`` is the whole text
+                return base, "", base
             old_stream = _stream(old_pieces, i, skip)
             new_stream = _stream(pieces, i, skip)
         else:
             old_stream = iter([self._old_text()])
             new_stream = _stream(pieces, 0, 0)
         d, new_rest = _common_prefix_streams(old_stream, new_stream)
-        return base + d, new_rest, total
+        return base + d, new_rest, base + d + len(new_rest)
 
     @staticmethod
     def _join(pieces) -> str:

@@ -460,7 +460,10 @@ def prepare_message(message: Mapping[str, Any]) -> dict:
 
 def prepare_plain(message: dict) -> dict:
     """:func:`prepare_message` of a message already rebuilt by :func:`plain` (not changed; a new dict)."""
-    return _alias_reasoning({k: v for k, v in message.items() if v is not None})
+    # (``None in values()``: identity first, and the plain types' ``==`` with ``None`` is False)
+    if None in message.values():
+        return _alias_reasoning({k: v for k, v in message.items() if v is not None})
+    return _alias_reasoning(dict(message))
 
 
 def continue_message(chat: list, source: str, flag: Any = True) -> tuple[str, dict]:
