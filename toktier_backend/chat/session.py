@@ -1309,8 +1309,10 @@ class ChatSession:
                 cands.append(c)
             for x in (old.n - 1, n - 1):
                 if lo <= x < hi:
-                    r = old.recs[x]
-                    if edge in r.loop_reads and not same(r.loop_reads[edge], loop_attr(edge, x, n, form.reverse, form.start)):
+                    reads = old.recs[x].loop_reads
+                    # the edge attribute (``last`` forward, ``first`` reversed) is the bool ``x == n - 1``:
+                    # position n - 1 ends a forward loop over messages[start:] and starts a reversed one
+                    if edge in reads and reads[edge] is not (x == n - 1):
                         cands.append(x)
         for x in bad_la:
             if lo <= x < hi:
