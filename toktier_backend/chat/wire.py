@@ -48,9 +48,10 @@ a plain ``orjson.loads(raw)`` with ``same_prefix = 0``: still exact. Invalid JSO
 
 Ownership: the messages list is the loader's own and is cut and extended in place by the next call (copying
 it would touch every message object: O(messages) cache misses); the message dicts (and, in object mode, the
-values of the other members) are shared with later results. Callers must not mutate them, nor
-keep the list across calls (:class:`~.session.ChatSession` keeps its own copies). In object mode the
-top-level dict is new on every call.
+values of the other members) are shared with later results. Callers must not mutate them (a
+:class:`~.session.ChatSession` keeps the message dicts of its ``render_body`` as its snapshots, uncopied), nor
+keep the list across calls (the session keeps its own list of them). In object mode the top-level dict is new
+on every call.
 """
 
 from __future__ import annotations
