@@ -21,8 +21,9 @@ as an agent resends it. Each request is an OpenAI-style JSON body
   bytes; the previous list plus the new dicts, as an in-process caller would pass them, with
   ``ChatSession(trust_identity=True)``;
 - ``ours_delta``: the client sends only the new messages (Triton ``MODE=delta``): timed from their JSON
-  array's bytes: ``ChatSession.render_more_body`` (``chat.wire.parse_messages``, then ``render_more``), then the tokenizer session as
-  for ``ours``; nothing of the old conversation is sent, compared or parsed (a second warm session);
+  array's bytes: ``ChatSession.render_more_body`` (``chat.wire.parse_messages``, then the render of
+  ``render_more``), then the tokenizer session as for ``ours``; nothing of the old conversation is sent,
+  compared or parsed (a second warm session);
 - ``transformers``: ``apply_chat_template(tokenize=True)`` (``--hf-samples`` samples: it encodes the whole
   text with HF);
 - ``jinja2+gigatoken``: full render by the transformers-compatible jinja2 renderer, gigatoken encode;

@@ -14,8 +14,8 @@ simulated last level: every turn starts cold, as after ``bench/chat.py``'s check
 calls the system through a ctypes trampoline; callgrind collects only inside it
 (``--toggle-collect=_ctypes_callproc``). Systems:
 
-- ``ours_delta``: ``chat.delta_turn`` (``ChatSession.render_more_body``: parse the new messages' JSON and render them, then the
-  tokenizer session's ``append`` or ``splice``);
+- ``ours_delta``: ``chat.delta_turn`` (``ChatSession.render_more_body``: parse the new messages' JSON and
+  render them; then the tokenizer session's ``append`` or ``splice``);
 - ``floor``: ``chat.floor_turn`` on the same turn (orjson of the new messages, minijinja's render of them
   alone, gigatoken's encode of the text the turn adds), a lower bound of any exact pipeline.
 

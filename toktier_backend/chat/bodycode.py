@@ -479,8 +479,8 @@ def compile_body(env, node, *, target: str, reverse: bool, start: int, ns_names:
     source = gen.source(node)
     nsr, cmp_ = _make_ns_read(missing)
     scope = {"U": UNDEFINED, "Bail": Bail, "_dg": dict.get, "_gi": _gi, "_sm": _sm, "_call": _call,
-             "_call1": _call1, "_seq": _seq, "_concat": _concat, "_nsr": nsr, "_cmp": cmp_, "_nsw": _nsw, "_cmpv": _cmpv, "_mget": _mget,
-             "_mlen": _mlen, "_bail": _bail, **gen.consts}
+             "_call1": _call1, "_seq": _seq, "_concat": _concat, "_nsr": nsr, "_cmp": cmp_, "_nsw": _nsw,
+             "_cmpv": _cmpv, "_mget": _mget, "_mlen": _mlen, "_bail": _bail, **gen.consts}
     fn = _load(source, scope, f"<chat body {target}>")
     fn.source = source
     return fn

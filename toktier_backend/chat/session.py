@@ -849,7 +849,8 @@ class ChatSession:
         Positions below a checked ``same_prefix`` (:meth:`render`) are not compared.
 
         ``keep``: keep the caller's objects (``_raw``) for the next request's checks. The kept lists
-        (snapshots, prepared messages, strict signatures, caller objects) are cut and extended in place: O(changed messages), not O(messages); :meth:`render` forgets them if the request fails.
+        (snapshots, prepared messages, strict signatures, caller objects) are cut and extended in place:
+        O(changed messages), not O(messages); :meth:`render` forgets them if the request fails.
 
         ``decoded_from``: messages from that position on were parsed from JSON by this session (``None``:
         none were). Such a message is its own snapshot: a JSON parse gives exact ``dict``, ``list``, ``str``,
@@ -886,14 +887,12 @@ class ChatSession:
         own = len(messages) if decoded_from is None else decoded_from
         for i in range(k, len(messages)):
             m = messages[i]
-            if i >= own:  # its own snapshot, never mutated: its strict entries can wait (_settle_strict)
-                snaps.append(m)
-                chat.append(_t.prepare_plain(m))
-                lazy.append(i)
-                continue
-            sn = _t.plain(m)
+            sn = m if i >= own else _t.plain(m)
             snaps.append(sn)
             chat.append(_t.prepare_plain(sn))
+            if i >= own:  # its own snapshot, never mutated: its strict entries can wait (_settle_strict)
+                lazy.append(i)
+                continue
             for key, v in m.items():  # the caller's values: a non-JSON one is strict (_needs_strict)
                 if type(v) is not str and self._needs_strict(v, (key,)):
                     pos.append(i)
@@ -990,7 +989,8 @@ class ChatSession:
                     add.append((i, key, _signature(v)))
         del lazy[a:b]
         if add:
-            merged = sorted([*zip(pos, keys, reprs), *add], key=operator.itemgetter(0))  # stable: a position's keys in order
+            # (sorted is stable: a position's keys stay in their order)
+            merged = sorted([*zip(pos, keys, reprs), *add], key=operator.itemgetter(0))
             pos[:], keys[:], reprs[:] = (list(x) for x in zip(*merged))
 
     # ------------------------------------------------------------ full path
