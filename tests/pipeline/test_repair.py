@@ -71,7 +71,7 @@ def test_no_cut_widens_every_time_then_encodes_in_full():
     # a cut 3K chars back: found after two doublings (1K, 2K, 4K)
     text = "ab c" + "x" * 3000
     store, buf, enc, ref = _state("gpt2", text)
-    assert R.find_cut(enc, store, buf, len(text)) == (2, len(ref.encode("ab").ids), 2, text[2:])  # "ab| cxxx..."
+    assert R.find_cut(enc, store, buf, len(text)) == (2, len(ref.encode("ab").ids), 2, text[2:], 2)  # "ab| cxxx..."
 
 
 @pytest.mark.parametrize("gap", [0, 1, 30, 31, 32, 33, 159, 160, 161, 672, 673, 1000])
@@ -79,8 +79,9 @@ def test_the_last_cut_is_found_across_the_search_slices(gap):
     # last_cut scans back in slices of 32, 128, 512... chars: a cut just inside and just past each slice edge
     text = "ab c" + "x" * gap
     store, buf, enc, ref = _state("gpt2", text)
-    c, keep, _, kept = R.find_cut(enc, store, buf, len(text))
-    assert (c, keep, kept) == (2, len(ref.encode("ab").ids), text[2:])  # "ab| cxxx...": no cut inside the run of letters
+    c, keep, _, kept, nb = R.find_cut(enc, store, buf, len(text))
+    # "ab| cxxx...": no cut inside the run of letters; the kept tokens end at byte 2
+    assert (c, keep, kept, nb) == (2, len(ref.encode("ab").ids), text[2:], len("ab".encode()))
     R.repair(enc, store, buf, " y", whole=False, d=len(text), force_reference=False, quarantined=(), first=False)
     assert buf.ids().tolist() == ref.encode(text + " y").ids
 
@@ -92,7 +93,7 @@ def test_an_edit_inside_the_text_re_encodes_the_kept_text_before_its_departure(w
     text = "ab c" + "x" * 50 + " tail after the departure"
     d = 30
     store, buf, enc, ref = _state("gpt2", text)
-    assert R.find_cut(enc, store, buf, d) == (2, len(ref.encode("ab").ids), 0, text[2:d])
+    assert R.find_cut(enc, store, buf, d) == (2, len(ref.encode("ab").ids), 0, text[2:d], 2)
     new = text[:d] + "y end" if whole else "y end"
     info = R.repair(enc, store, buf, new, whole=whole, d=d, force_reference=False, quarantined=(), first=False,
                     splice=not whole)

@@ -811,7 +811,8 @@ class ChatSession:
                        continue_final_message=continue_final_message, **kwargs)
         if not self.plan.incremental:
             return self._full_path(messages, options, snaps, chat, "template: " + self.plan.reason)
-        variables = {**self.reference.special_tokens, **self._plain_kept("kwargs", kwargs)}
+        variables = {**self.reference.special_tokens, **self._plain_kept("kwargs", kwargs)} if kwargs else dict(
+            self.reference.special_tokens)  # (no template kwargs: nothing to copy, nothing to compare)
         base = dict(messages=chat, tools=self._plain_kept("tools", tools),
                     documents=self._plain_kept("documents", documents),
                     add_generation_prompt=bool(add_generation_prompt), **variables)
@@ -1026,6 +1027,8 @@ class ChatSession:
         objects as bytes, sets, complex, code). The format is self-delimiting, so bytes equal to the copy's
         signature decode to the copy's structure: ``value`` is made of the same exact types, scalars, key
         orders and nesting, and ``plain(value)`` would equal the copy strictly."""
+        if value is None:  # its own copy; the kept one stays for a later request
+            return None
         sig = _signature(value)
         prev = self._plain_options.get(key)
         if prev is not None and prev[1] == sig:  # (_NEVER equals nothing)

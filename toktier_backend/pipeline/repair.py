@@ -107,10 +107,13 @@ def departure(store: TextStore, new: str, *, whole: bool) -> int:
     return store.common_prefix(new) if store.length else 0
 
 
-def find_cut(enc: Encoders, store: TextStore, buf: TokenBuffer, d: int) -> tuple[int, int, int, str] | None:
-    """``(cut, body tokens kept, widenings, kept text)``: the last stable cut ``c <= d - 1`` that is also a
-    token boundary of the stored ids, searching ``WINDOW * 2**k`` chars before ``d`` for ``k = 0..WIDENINGS``;
-    ``kept text`` is the stored ``text[c:d]`` (what the repair re-encodes before the new text).
+def find_cut(enc: Encoders, store: TextStore, buf: TokenBuffer,
+             d: int) -> tuple[int, int, int, str, int] | None:
+    """``(cut, body tokens kept, widenings, kept text, kept bytes)``: the last stable cut ``c <= d - 1`` that is
+    also a token boundary of the stored ids, searching ``WINDOW * 2**k`` chars before ``d`` for
+    ``k = 0..WIDENINGS``; ``kept text`` is the stored ``text[c:d]`` (what the repair re-encodes before the new
+    text); ``kept bytes`` is the cut's normalized byte position, where the kept tokens end
+    (``ends[keep - 1]``, or 0: the position :meth:`TokenBuffer.tokens_before` matched, not read again).
 
     A cut's token index: its byte position in the normalized old text is the buffer's total minus the
     normalized bytes of the old text after it; a token must end exactly there (``buf.tokens_before``).
@@ -137,7 +140,7 @@ def find_cut(enc: Encoders, store: TextStore, buf: TokenBuffer, d: int) -> tuple
             nb = buf.body_nbytes - enc.normalized_nbytes(kept if d == store_len else store.tail(c))
             keep = buf.tokens_before(nb)
             if keep is not None:
-                return c, keep, k, kept
+                return c, keep, k, kept, nb
             log.warning("stable cut %d is not a token boundary (family %s); trying an earlier one", c, finder.name)
             hi = c - 1
         hi = lo - 1
@@ -175,11 +178,10 @@ def repair(enc: Encoders, store: TextStore, buf: TokenBuffer, new: str, *, whole
         no_cut = d > 0 and new_len > 0 and enc.cuts.supported
         return _full(enc, store, buf, new, whole, d, WIDENINGS + 1 if d > 0 else 0, first,
                      fallback="no_cut" if no_cut else "", splice=splice)
-    c, keep, widenings, kept = found
+    c, keep, widenings, kept, base = found
     # the new text after c: the stored text[c:d] (the new text shares it), then what departs at d
     tail = new[c:] if whole else kept + new
     body, engine = enc.encode_body(tail, route=route)
-    base = buf.body_nbytes_before(keep)
     buf.splice(keep, body, enc.token_nbytes)
     if buf.body_nbytes != base + enc.normalized_nbytes(tail):
         # The offsets no longer describe the text: never answer from them. Rebuild from the reference.

@@ -88,10 +88,6 @@ class TokenBuffer:
     def n_prefix(self) -> int:
         return len(self._prefix)
 
-    def body_nbytes_before(self, keep: int) -> int:
-        """Normalized UTF-8 bytes covered by the first ``keep`` body tokens."""
-        return int(self._ends[keep - 1]) if keep else 0
-
     @property
     def nbytes(self) -> int:
         """Bytes held by the arrays (data and array objects; capacity, not just the used part)."""
