@@ -811,8 +811,9 @@ class ChatSession:
                        continue_final_message=continue_final_message, **kwargs)
         if not self.plan.incremental:
             return self._full_path(messages, options, snaps, chat, "template: " + self.plan.reason)
-        variables = {**self.reference.special_tokens, **self._plain_kept("kwargs", kwargs)} if kwargs else dict(
-            self.reference.special_tokens)  # (no template kwargs: nothing to copy, nothing to compare)
+        variables = dict(self.reference.special_tokens)
+        if kwargs:  # template kwargs (none: nothing to copy or compare)
+            variables.update(self._plain_kept("kwargs", kwargs))
         base = dict(messages=chat, tools=self._plain_kept("tools", tools),
                     documents=self._plain_kept("documents", documents),
                     add_generation_prompt=bool(add_generation_prompt), **variables)
