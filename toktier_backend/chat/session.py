@@ -49,6 +49,7 @@ from typing import Any, Mapping
 from toktier_backend.chat import template as _t
 from toktier_backend.chat.analysis import COMPARE, IterForm, LoopSegment, PlainSegment, Plan, analyze, order_observed
 from toktier_backend.chat.bodycode import OPS, Unsupported, compile_body, compile_plain, loop_attr, plain_value
+from toktier_backend.chat.wire import IncrementalBody, parse_messages
 from toktier_backend.errors import InvalidRequest
 
 
@@ -712,8 +713,6 @@ class ChatSession:
         Raises:
             InvalidRequest: not valid JSON, no list of messages, or as :meth:`render`.
         """
-        from toktier_backend.chat.wire import IncrementalBody
-
         if self._body is None or self._body.top != top:
             self._body = IncrementalBody(top=top)
         loader = self._body
@@ -776,8 +775,6 @@ class ChatSession:
             InvalidRequest: ``raw`` is not a JSON array of objects (the session is unchanged), or as
             :meth:`render_more`.
         """
-        from toktier_backend.chat.wire import parse_messages
-
         return self._more(parse_messages(raw), True, options)
 
     def _more(self, new_messages: list, decoded: bool, options: dict) -> ChatRender:
