@@ -25,6 +25,20 @@ def test_gpt2_hello_world_literal():
     assert tok.encode("hello world").dtype == np.int32
 
 
+@pytest.mark.parametrize("spec", ["default", ""])
+def test_default_spec_is_the_bundled_file(spec, capsys):
+    # "default" is documented for `toktier serve --tokenizer` and the models' parameter: every loader takes it
+    # (the CLI's encode/info went to the Hub with it)
+    from tokenizers import Tokenizer as HF
+
+    from toktier_backend import cli
+
+    want = HF.from_file(str(GPT2)).encode("hello world").ids
+    assert tt.load_tokenizer(spec).path == GPT2
+    assert cli.main(["encode", "hello world", "--tokenizer", "default"]) == 0
+    assert capsys.readouterr().out.split() == [str(i) for i in want]
+
+
 def test_known_ids_file():
     """``shared/tokenizers/known_ids.json``: public text->ids pairs with provenance; each pair is checked
     on every file it is marked as verified against."""

@@ -541,7 +541,8 @@ def load_tokenizer(
 
     Args:
         spec: path to a ``tokenizer.json``, a folder holding one, or a Hugging Face Hub id (needs a
-            network); ``None`` loads the bundled GPT-2 file.
+            network); ``None``, ``""`` or ``"default"`` loads the bundled GPT-2 file (the ``default`` of
+            ``toktier serve --tokenizer`` and of the models' ``tokenizer`` parameter).
         engine: ``"auto"``, ``"gigatoken"``, ``"fastokens"`` or ``"hf"``.
         max_chars: request size limit (chars).
         sha256: hex digest the file's bytes must have (a pin); ``None`` accepts any file.
@@ -551,7 +552,7 @@ def load_tokenizer(
             the pinned one.
         EngineUnavailable: a named engine is missing or not admitted for this file.
     """
-    path = resolve_path(default_tokenizer_path() if spec is None else spec)
+    path = resolve_path(default_tokenizer_path() if spec in (None, "", "default") else spec)
     if sha256:
         _check_sha256(path, Path(path).read_bytes(), sha256)
     loaded = load_spec(path)

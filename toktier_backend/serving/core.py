@@ -365,10 +365,6 @@ class ServingCore:
             pool = runtime_pool.shared_pool()
         spec = c.tokenizer
         if tokenizer is None:
-            if spec in ("", "default"):
-                from toktier_backend.tokenizer import default_tokenizer_path
-
-                spec = str(default_tokenizer_path())
             tokenizer = load_tokenizer(spec, sha256=c.tokenizer_sha256 or None, engine=c.engine)
         chunked = getattr(tokenizer, "chunked", None)
         if chunked is not None:
