@@ -2,14 +2,21 @@
 
 orjson parses large chat bodies faster than ``json.loads`` (numbers: docs/design/chat.md), and writes a
 numpy id array without a Python int per id (the proxy's forwarded prompt: docs/integrations.md).
-Both give the same Python values for valid JSON (``dict``/``list``/``str``/``int``/``float``/``bool``/
-``None``); orjson rejects ``NaN``/``Infinity`` and lone surrogates, which ``json`` accepts: those bodies
-raise :class:`InvalidRequest` either way here.
+
+``loads`` gives the standard library's values (``dict``/``list``/``str``/``int``/``float``/``bool``/
+``None``), which is what a Python server (vLLM's, transformers' users) parses the same body to, so a
+template renders the same text from them. orjson differs in two ways. It parses an integer outside
+``[-2**63, 2**64)`` to a ``float``, silently (``100000000000000000000`` -> ``1e+20``, which ``tojson`` then
+writes differently): a body that may hold one (:func:`may_hold_big_int`) is parsed by the standard
+library. It rejects ``NaN``/``Infinity`` and lone surrogates, which ``json`` accepts: the first raise
+:class:`InvalidRequest` on both paths here; a lone surrogate that the standard library lets through is
+refused later, by the tokenizer's text check.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from toktier_backend.errors import InvalidRequest
@@ -25,6 +32,23 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: ASCII digits -> ``0``, every other byte -> a space: a run of 19 digits becomes a run of 19 ``0`` bytes.
+_DIGIT_RUNS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_RUN = b"0" * 19
+_RUN_STR = re.compile(r"[0-9]{19}")
+
+
+def may_hold_big_int(data: bytes | bytearray | str) -> bool:
+    """Could the JSON text ``data`` hold an integer that orjson parses to a ``float`` (one below ``-2**63``
+    or at least ``2**64``)? Such a literal has at least 19 digits in one run (JSON writes no leading zeros;
+    ``2**63 == 9223372036854775808`` has 19), so without a run of 19 ASCII digits it holds none. A run
+    inside a string or a float also answers ``True``: the caller then parses with the standard library
+    (exact, slower). Two C passes over bytes (``bytes.translate``, ``bytes.find``), a regex over a str."""
+    if isinstance(data, str):
+        return _RUN_STR.search(data) is not None
+    return data.translate(_DIGIT_RUNS).find(_RUN) >= 0
+
+
 def loads(data: bytes | bytearray | memoryview | str) -> Any:
     """Parse a JSON document.
 
@@ -32,12 +56,15 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
         data: UTF-8 bytes (or str) of one JSON value.
 
     Returns:
-        The value, built from ``dict``, ``list``, ``str``, ``int``, ``float``, ``bool``, ``None``.
+        The value ``json.loads`` gives (module docstring), built from ``dict``, ``list``, ``str``, ``int``,
+        ``float``, ``bool``, ``None``.
 
     Raises:
-        InvalidRequest: not valid JSON (the parser's message, with its position).
+        InvalidRequest: not valid JSON (the parser's message, with its position), or ``NaN``/``Infinity``.
     """
-    if _orjson is not None:
+    if isinstance(data, memoryview):
+        data = bytes(data)
+    if _orjson is not None and not may_hold_big_int(data):
         try:
             return _orjson.loads(data)
         except _orjson.JSONDecodeError as e:
@@ -46,6 +73,8 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
         return json.loads(data, parse_constant=_reject_constant)
     except ValueError as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # (orjson refuses past 1024 levels with a JSONDecodeError)
+        raise InvalidRequest("request body is not valid JSON: nested too deeply") from e
 
 
 def _plain_default(value: Any) -> Any:

@@ -104,9 +104,9 @@ class Loader:
         self.reused = 0
 
     def load(self, raw: bytes):
-        want = orjson.loads(raw)
+        want = json.loads(raw)  # the standard library's values (jsonio's contract), not orjson's
         got = self.body.load(raw)
-        assert orjson.dumps(got.value) == orjson.dumps(want)
+        assert json.dumps(got.value) == json.dumps(want)  # key order and scalar types too
         assert got.value == want
         expected = _expected_prefix(self.old, raw, self.top)
         assert got.same_prefix == expected, (got.same_prefix, expected)
@@ -437,3 +437,47 @@ def test_callers_without_a_loader_are_not_held():
         del msgs
         gc.collect()
         assert all((r() is not None) == held for r in refs), same_prefix
+
+
+BIG = 100000000000000000000  # past 64 bits: orjson alone parses it to the float 1e+20
+
+
+@pytest.mark.parametrize("top", ["object", "array"])
+def test_integers_past_64_bits_in_new_messages(top):
+    """New messages holding an integer orjson would make a float: the loader's value is ``json.loads``'s
+    (the int), through its whole parse."""
+    conv = _conv()[:6]
+    big = {"role": "assistant", "content": "",
+           "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"n": BIG, "m": -BIG}}}]}
+    loader = Loader(top)  # (json.dumps bytes: orjson cannot write the integer)
+    loader.load(_body(conv, top=top, style=1))
+    raw = _body(conv + [big], top=top, style=1)
+    assert json.dumps(orjson.loads(raw)) != json.dumps(json.loads(raw))  # the case is live (1e+20 == 10**20)
+    got = loader.load(raw)  # (checks value and types against json.loads)
+    assert got.messages[-1]["tool_calls"][0]["function"]["arguments"]["n"] == BIG
+    loader.load(_body(conv + [big, {"role": "user", "content": "next"}], top=top, style=1))
+
+
+def test_chat_text_keeps_integers_past_64_bits(folder):
+    """qwen3 writes a tool call's arguments with ``tojson``: from bytes (``render_body``, then a delta
+    through ``render_more_body``) the text is the jinja2 reference's on ``json.loads``'s messages, which
+    writes the integer's digits."""
+    from toktier_backend.chat.template import ChatRenderer
+
+    src, cfg = template_source("qwen3")
+    sp = special_tokens(cfg)
+    ref = ChatRenderer(src, sp)
+    conv = [{"role": "user", "content": "count"}]
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"n": BIG}}}]}
+    more = [call, {"role": "tool", "content": "ok"}]
+    for via_delta in (False, True):
+        chat = ChatSession(src, sp)
+        r, _ = chat.render_body(json.dumps(conv).encode(), top="array", add_generation_prompt=True)
+        if via_delta:
+            r = chat.render_more_body(json.dumps(more).encode(), add_generation_prompt=True)
+        else:
+            r, _ = chat.render_body(json.dumps(conv + more).encode(), top="array", add_generation_prompt=True)
+        want = ref.render(json.loads(json.dumps(conv + more)), add_generation_prompt=True)
+        assert str(BIG) in want
+        assert r.text == want, via_delta

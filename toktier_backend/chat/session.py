@@ -707,7 +707,7 @@ class ChatSession:
                 the caller, not from the body.
 
         Returns:
-            ``(render, body)``: ``body`` equals ``orjson.loads(raw)``; its message dicts are shared with
+            ``(render, body)``: ``body`` equals ``jsonio.loads(raw)``; its message dicts are shared with
             later calls and must not be mutated.
 
         Raises:

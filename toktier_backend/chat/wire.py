@@ -3,8 +3,9 @@ the body's bytes up to the first changed message are the previous body's bytes; 
 
 :class:`IncrementalBody` loads a JSON body (bytes) holding a ``messages`` array, either as a top-level object
 with a ``"messages"`` member (an OpenAI chat body, ``top="object"``) or as a bare array of messages
-(``top="array"``), and returns the value ``orjson.loads(raw)`` returns, reusing the previous call's message
-objects for the leading messages whose bytes did not change.
+(``top="array"``), and returns the value :func:`toktier_backend.jsonio.loads` returns (the standard
+library's values), reusing the previous call's message objects for the leading messages whose bytes did not
+change.
 
 Mechanism. The loader keeps the previous body ``old`` and the byte offset where each of its messages ends
 (the byte after its closing ``}``).
@@ -22,13 +23,15 @@ Mechanism. The loader keeps the previous body ``old`` and the byte offset where 
    in the prefix. Equal bytes parsed from equal states give equal values (same key order, same scalar
    types), so the old objects may stand for the new ones. In ``top="object"`` mode the members before
    ``"messages"`` are reused the same way (they end before the array's ``[``, inside the prefix).
-3. The rest, ``raw[e:]``, is parsed by orjson behind a fragment prefix that puts the parser in the same
+3. The rest, ``raw[e:]``, is parsed (``jsonio.loads``) behind a fragment prefix that puts the parser in the same
    state as ``raw[:e]`` did: ``[null`` (array mode; inside the array, after a value) or ``{"messages":[null``
    (object mode; inside the top-level object, inside the messages array, after a value). ``raw`` is valid
    JSON iff the fragment is (same grammar state, same remaining bytes; ``raw[:e]`` is valid UTF-8 ending at
    a char boundary), and the fragment's values are those of the same bytes in ``raw``. Members after the
    array are merged as orjson merges duplicate keys (dict assignment in order: first position, last
-   value), so the result equals ``orjson.loads(raw)`` key for key and in order. When the bytes from the
+   value), so the result equals ``jsonio.loads(raw)`` key for key and in order (the fragment is parsed by
+   ``jsonio.loads`` too: orjson, or the standard library where the new bytes may hold an integer past 64
+   bits; both grammars are JSON's, with ``NaN``/``Infinity`` refused). When the bytes from the
    array's ``]`` to the end are the old body's (the common turn: ``tools`` and options unchanged), they are
    met in the same parser state as in the old body (inside the same array of the same top-level object,
    after a value), so they are valid and give the old members: only ``{"":[null`` + the new messages'
@@ -43,7 +46,7 @@ Mechanism. The loader keeps the previous body ``old`` and the byte offset where 
 
 Anything else (no message reusable, a changed byte before the array, a top level that is not the expected
 object or array, a ``messages`` value that is not an array of objects, a duplicate ``"messages"`` key) is
-a plain ``orjson.loads(raw)`` with ``same_prefix = 0``: still exact. Invalid JSON raises what
+a plain ``jsonio.loads(raw)`` with ``same_prefix = 0``: still exact. Invalid JSON raises what
 :func:`toktier_backend.jsonio.loads` raises.
 
 Ownership: the messages list is the loader's own and is cut and extended in place by the next call (copying
@@ -80,7 +83,7 @@ class Body(NamedTuple):
     """One loaded body.
 
     Attributes:
-        value: equal to ``orjson.loads(raw)`` when returned (object mode: a new dict each call; array mode:
+        value: equal to ``jsonio.loads(raw)`` when returned (object mode: a new dict each call; array mode:
             the messages list).
         messages: ``value["messages"]`` (object mode) or ``value`` (array mode): the loader's list, changed in
             place by its next call; ``None`` when the body did not have the expected shape (then
@@ -132,7 +135,7 @@ class IncrementalBody:
         """Parse ``raw`` (one UTF-8 JSON body; bytes-like objects other than ``bytes`` are copied once).
 
         Returns:
-            :class:`Body`; ``value == orjson.loads(raw)``.
+            :class:`Body`; ``value == jsonio.loads(raw)``.
 
         Raises:
             InvalidRequest: not valid JSON (as :func:`toktier_backend.jsonio.loads`); the loader then
@@ -183,16 +186,16 @@ class IncrementalBody:
             # old members after the array. Only the new messages are parsed.
             after = self._after
             try:  # inside an object, as in the body: the same nesting depth (orjson limits it)
-                frag = _orjson.loads(b'{"":[null' + raw[e:close] + b"]}")[""]
-            except _orjson.JSONDecodeError:
+                frag = jsonio.loads(b'{"":[null' + raw[e:close] + b"]}")[""]
+            except InvalidRequest:
                 return None  # invalid JSON: the whole parse raises the body's own error
             if type(frag) is not list:
                 return None
             new = frag[1:]
         else:
             try:
-                frag = _orjson.loads(self._frag + raw[e:])
-            except _orjson.JSONDecodeError:
+                frag = jsonio.loads(self._frag + raw[e:])
+            except InvalidRequest:
                 return None
             if self.top == "array":
                 if type(frag) is not list:
