@@ -90,6 +90,26 @@ def test_chat_route_turn_by_turn(served, keyed):
     assert value("toktier_verifier_samples_total", face="proxy", model="chat", result="match") >= len(renders)
 
 
+def test_chat_route_keeps_integers_past_64_bits(served):
+    """A tool call's arguments holding integers orjson alone would make floats (10**20 -> 1e+20): the
+    forwarded ids are transformers' render of the standard library's parse (a fresh body, then a turn on
+    the same session)."""
+    base, upstream, core, value, folder = served
+    hf = auto_tokenizer(str(folder))
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "bash",
+                                                             "arguments": {"n": 10**20, "m": -(10**19)}}}]}
+    conv = _conv(3) + [call, {"role": "tool", "content": "ok"}]
+    for n in (len(conv) - 1, len(conv)):
+        body = {"model": "m", "messages": conv[:n], "tools": TOOLS, "max_tokens": 4}
+        status, _, reply = post(base, "/v1/chat/completions", body, {"X-Session-ID": "big-ints"})
+        assert status == 200, reply
+        text = hf.apply_chat_template(json.loads(json.dumps(conv[:n])), tools=TOOLS, tokenize=False,
+                                      add_generation_prompt=True)
+        assert str(10**20) in text
+        assert upstream.last["body"]["prompt"] == hf_ids(NAME, text, add_special_tokens=False), n
+
+
 def test_chat_errors_are_400_and_counted(served):
     base, upstream, core, value, _ = served
     before = value("toktier_request_errors_total", face="proxy", model="chat", code="INVALID_ARG")
