@@ -4,7 +4,9 @@ Small conversations with odd values (signed zeros, ``1``/``1.0``/``True``, big i
 blocks, special-token text), each turn an edit of the previous one (append, truncate, a value swapped for
 one that is ``==`` to it, a key order flipped), rendered by one :class:`ChatSession` (incremental), the
 jinja2 :class:`ChatRenderer` and the admitted minijinja renderer. Each must give transformers' text, or
-refuse what transformers refuses. Bugs this found are named in ``docs/design/chat.md`` (session 14).
+refuse what transformers refuses; the session's renders, tokenized as the faces do (``append`` or
+``splice`` of the delta), must give transformers' tokenizer's ids. Bugs this found are named in
+``docs/design/chat.md`` (sessions 14 and 26: an integer past 64 bits sent as a delta, seed 1081).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import random
 
 import pytest
 
-from tests.chat.conftest import hf_tokenizer
+from tests.chat.conftest import hf_tokenizer, our_tokenizer
 from tests.chat.corpus import TEMPLATES, template_source
 from toktier_backend.chat.fast import admit
 from toktier_backend.chat.session import ChatSession
@@ -110,12 +112,14 @@ def _outcome(render, messages, options):
     return out if isinstance(out, str) else out.text
 
 
+@pytest.mark.parametrize("seed", [0, 1081, 2026])  # 0: the template's own seed
 @pytest.mark.parametrize("name", TEMPLATES)
-def test_every_renderer_equals_transformers(name, folder):
+def test_every_renderer_equals_transformers(name, seed, folder):
     src, cfg = template_source(name)
     sp = special_tokens(cfg)
     hf = hf_tokenizer(str(folder(name)))
     session, ref, fast = ChatSession(src, sp), ChatRenderer(src, sp), admit(src, sp).renderer
+    tok = our_tokenizer(str(folder(name))).session(add_special_tokens=False)
     assert fast is not None
     # a second session fed JSON, as a face feeds it: the messages after the previous request's alone
     # (render_more_body) when the conversation extends it (same JSON text), else the whole array (render_body)
@@ -134,7 +138,7 @@ def test_every_renderer_equals_transformers(name, folder):
         sent = dumped
         return out
 
-    gen = Gen(sum(map(ord, name)), alternate=name == "gemma3")
+    gen = Gen(seed or sum(map(ord, name)), alternate=name == "gemma3")
     conv = gen.edit([])
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"a": 0.0, "b": [1, True]}}}]
     checked = 0
@@ -150,8 +154,17 @@ def test_every_renderer_equals_transformers(name, folder):
             want = hf.apply_chat_template(conv, tokenize=False, **options)
         except Exception:  # noqa: BLE001 - refused by transformers: every renderer must refuse
             want = "refused"
-        for label, render in (("session", session.render), ("json", from_json), ("jinja2", ref.render),
-                              ("minijinja", fast.render)):
+        try:
+            r = session.render(conv, **options)
+        except InvalidRequest:
+            r = None
+        assert (r.text if r is not None else "refused") == want, ("session", conv, options)
+        if r is not None:
+            # as the faces do: the departure is measured against the last text served, which the tokenizer
+            # session holds (a refused request changed neither)
+            ids = tok.append(r.delta) if r.extends_previous else tok.splice(r.departure, r.delta)
+            assert ids.tolist() == hf.encode(want, add_special_tokens=False), ("ids", conv, options)
+        for label, render in (("json", from_json), ("jinja2", ref.render), ("minijinja", fast.render)):
             assert _outcome(render, conv, options) == want, (label, conv, options)
         checked += want != "refused"
         conv = gen.edit(conv)
