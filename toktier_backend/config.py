@@ -22,6 +22,10 @@ from toktier_backend.errors import UnsupportedTokenizer
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 """The folder that holds ``toktier_backend`` (put first on the Python stub's ``PYTHONPATH``)."""
 
+#: Tokenizer specs that name the bundled GPT-2 file (``toktier serve --tokenizer default``, the models'
+#: ``tokenizer`` parameter): :func:`toktier_backend.tokenizer.tokenizer_path`.
+DEFAULT_SPECS = frozenset({"", "default"})
+
 
 # ---------------------------------------------------------------- cache and state folders
 

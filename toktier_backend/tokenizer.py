@@ -32,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from toktier_backend.config import DEFAULT_SPECS
 from toktier_backend.engines.admission import Admission, admit, check_offsets, reference_only
 from toktier_backend.engines.hf import HFEngine
 from toktier_backend.engines.protocol import Engine
@@ -57,6 +58,16 @@ FAST_ROUTES = ("full", "append", "edit")
 def default_tokenizer_path() -> Path:
     """The bundled GPT-2 ``tokenizer.json`` (MIT, openai-community/gpt2)."""
     return Path(str(resources.files("toktier_backend") / "data" / "gpt2" / "tokenizer.json"))
+
+
+def tokenizer_path(spec: str | os.PathLike | None = None) -> Path:
+    """The local ``tokenizer.json`` a spec names: ``None`` or one of :data:`toktier_backend.config.DEFAULT_SPECS`, the bundled GPT-2
+    file; else a file, a folder holding one, or a Hugging Face Hub id (:func:`toktier_backend.spec.resolve_path`).
+
+    Raises:
+        UnsupportedTokenizer: nothing found locally and the Hub download failed.
+    """
+    return default_tokenizer_path() if spec is None or spec in DEFAULT_SPECS else resolve_path(spec)
 
 
 def decode_text(data: bytes, *, what: str = "TEXT") -> str:
@@ -541,8 +552,7 @@ def load_tokenizer(
 
     Args:
         spec: path to a ``tokenizer.json``, a folder holding one, or a Hugging Face Hub id (needs a
-            network); ``None``, ``""`` or ``"default"`` loads the bundled GPT-2 file (the ``default`` of
-            ``toktier serve --tokenizer`` and of the models' ``tokenizer`` parameter).
+            network); ``None``, ``""`` or ``"default"`` loads the bundled GPT-2 file (:func:`tokenizer_path`).
         engine: ``"auto"``, ``"gigatoken"``, ``"fastokens"`` or ``"hf"``.
         max_chars: request size limit (chars).
         sha256: hex digest the file's bytes must have (a pin); ``None`` accepts any file.
@@ -552,7 +562,7 @@ def load_tokenizer(
             the pinned one.
         EngineUnavailable: a named engine is missing or not admitted for this file.
     """
-    path = resolve_path(default_tokenizer_path() if spec in (None, "", "default") else spec)
+    path = tokenizer_path(spec)
     if sha256:
         _check_sha256(path, Path(path).read_bytes(), sha256)
     loaded = load_spec(path)

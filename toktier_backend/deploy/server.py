@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from toktier_backend.config import PACKAGE_ROOT, stop_on_signals, stub_environment  # noqa: F401  (re-exported)
+from toktier_backend.config import DEFAULT_SPECS, PACKAGE_ROOT, stop_on_signals, stub_environment  # noqa: F401  (re-exported)
 
 
 def _default_model_repository() -> Path:
@@ -157,7 +157,7 @@ def prepare_repository(
     dst = Path(destination)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
     spec = tokenizer
-    if spec not in ("", "default") and Path(spec).exists():
+    if spec not in DEFAULT_SPECS and Path(spec).exists():
         spec = str(Path(spec).resolve())
     for config_path in sorted(dst.glob("*/config.pbtxt")):
         text = config_path.read_text()

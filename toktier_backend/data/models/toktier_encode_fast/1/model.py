@@ -15,25 +15,20 @@ measures it (``toktier demo``, ``load/capacity.py``), never trusted. Input parsi
 """
 
 import json
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from toktier_backend.errors import InvalidRequest, UnsupportedTokenizer
 from toktier_backend.faces import triton_io
+from toktier_backend.tokenizer import tokenizer_path
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = triton_io.model_parameters(config)
-        spec = params.get("tokenizer", "default")
-        if spec in ("", "default"):
-            import toktier_backend as tt
-
-            spec = str(tt.default_tokenizer_path())
-        path = str(Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec))
+        path = str(tokenizer_path(params.get("tokenizer", "default")))
         self.max_text_bytes = int(params.get("max_text_bytes") or 16777216)
         self.batched = triton_io.is_batched(config)
         self.fastokens = self.gigatoken = None
