@@ -396,7 +396,7 @@ def parse_messages(raw: Any, what: str = "messages") -> list:
     if not isinstance(raw, (bytes, bytearray, memoryview, str)):
         raise InvalidRequest(f"{what} must be UTF-8 JSON bytes, got {type(raw).__name__}.")
     try:
-        messages = jsonio.loads(bytes(raw) if isinstance(raw, (bytearray, memoryview)) else raw)
+        messages = jsonio.loads(raw)
     except ValueError as e:
         raise InvalidRequest(f"{what} is not JSON ({e}); send a JSON array of messages, e.g. "
                              f"[{{\"role\": \"user\", \"content\": \"hi\"}}].") from e
